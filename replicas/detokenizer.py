@@ -1,0 +1,60 @@
+"""Incremental detokenization with stop strings.
+
+Each call re-decodes the output ids and emits only the new, *safe* suffix:
+text that cannot still turn out to be the start of a stop string, and no
+trailing incomplete UTF-8 character (decoded as U+FFFD). The stop text itself
+is never emitted (OpenAI semantics).
+"""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas.
+
+    Args:
+        tokenizer: an HF tokenizer (``decode(ids, skip_special_tokens=True)``).
+        stop: stop strings (may be empty).
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.text = ""  # everything emitted so far
+        self.stopped_on: str | None = None
+
+    def append(self, token_ids: list[int], final: bool = False) -> str:
+        """Add new token ids; return the text delta that is safe to emit now.
+
+        After a stop string is found, ``stopped_on`` is set, the text is cut
+        just before it, and further calls return "".
+        """
+        if self.stopped_on is not None:
+            return ""
+        self.token_ids.extend(token_ids)
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if self.stop:
+            start = max(0, len(self.text) - self._holdback)
+            hits = [(full.find(s, start), s) for s in self.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                idx, s = min(hits)
+                self.stopped_on = s
+                return self._emit(full[:idx])
+        if final:
+            return self._emit(full)
+        safe = full
+        if safe.endswith("\ufffd"):
+            safe = safe.rstrip("\ufffd")
+        if self.stop and self._holdback:
+            safe = safe[: max(len(self.text), len(full) - self._holdback)]
+        return self._emit(safe)
+
+    def _emit(self, upto: str) -> str:
+        if len(upto) <= len(self.text) or not upto.startswith(self.text):
+            return ""
+        delta = upto[len(self.text):]
+        self.text = upto
+        return delta

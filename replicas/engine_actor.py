@@ -1,0 +1,163 @@
+"""The engine actor: owns one replica's engine and KV cache.
+
+It is a plain class; ``deployments/`` makes it a Ray actor (placed in the
+replica's placement-group bundle) so that this package never imports
+``ray.serve``. Methods are async so a replica can stream from it:
+``generate`` is an async generator of :mod:`replicas.messages` objects.
+
+Compute runs off the event loop: the standard lane in one engine thread that
+loops schedule → run → postprocess while work exists; the persistent lane in a
+worker thread per request (one at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from policy import Mode
+from replicas.config import EngineConfig
+from replicas.engine import EngineCore, LLMEngine
+from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
+from replicas.persistent.contract import PersistentDecoderError
+from replicas.persistent.factory import create_backend
+from replicas.persistent.lane import PersistentLane
+
+logger = logging.getLogger(__name__)
+Item = GenerationChunk | Rejection | GenerationError
+
+
+class PersistentDecoderLoadError(RuntimeError):
+    """Mode ``required`` and the persistent decoder could not be loaded."""
+
+
+def _is_last(item: Item) -> bool:
+    return not isinstance(item, GenerationChunk) or item.finish_reason is not None
+
+
+class EngineActor:
+    """One replica's engine.
+
+    Args:
+        config: engine configuration.
+        lane: ``"standard"`` or ``"persistent"``.
+        mode: persistent-decoder mode (``off``/``auto``/``required``).
+        backend: persistent backend name (``auto``, ``eager``).
+        checkpoint: persistent-decoder checkpoint directory, or None.
+
+    Raises:
+        PersistentDecoderLoadError: ``required`` mode and the decoder failed to load.
+    """
+
+    def __init__(self, config: EngineConfig, lane: str = "standard", mode: str = "auto",
+                 backend: str = "auto", checkpoint: str | None = None):
+        if lane not in ("standard", "persistent"):
+            raise ValueError(f"lane must be 'standard' or 'persistent', got {lane!r}")
+        self.lane_name = lane
+        self.mode = Mode.parse(mode)
+        self.core = EngineCore.load(config)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self.persistent: PersistentLane | None = None
+        self.engine: LLMEngine | None = None
+        if lane == "standard":
+            self.engine = LLMEngine(self.core)
+            threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True).start()
+        else:
+            decoder, error = None, None
+            try:
+                decoder = create_backend(backend, self.core, checkpoint)
+            except PersistentDecoderError as exc:
+                if self.mode is Mode.REQUIRED:
+                    raise PersistentDecoderLoadError(
+                        f"--persistent-decoder required, but the persistent decoder could not be loaded: {exc}"
+                    ) from exc
+                logger.warning("persistent decoder unavailable (%s); requests will fall back", exc)
+                error = exc.reason
+            self.persistent = PersistentLane(self.core, decoder, error)
+
+    async def ready(self) -> dict:
+        """Static facts about this replica, once loaded."""
+        return {
+            "lane": self.lane_name, "model": self.core.config.name,
+            "max_model_len": self.core.config.max_model_len, "device": str(self.core.runner.device),
+            **(await self.stats()),
+        }
+
+    async def stats(self) -> dict:
+        """KV page accounting and queue depth (read by tests and the debug endpoint)."""
+        return self.persistent.stats() if self.persistent else self.engine.stats()
+
+    async def generate(self, g: GenerateRequest) -> AsyncIterator[Item]:
+        """Stream the events of one request (see :mod:`replicas.messages`)."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        done = False
+        cancel = threading.Event()
+        if self.persistent is not None:
+            threading.Thread(target=self._persistent_worker, args=(g, cancel, loop, out), daemon=True).start()
+        else:
+            self._inbox.put(("add", g, loop, out))
+            self._wakeup.set()
+        try:
+            while not done:
+                item = await out.get()
+                done = _is_last(item)
+                yield item
+        finally:
+            if not done:  # the caller went away: stop the work and free its pages
+                cancel.set()
+                if self.engine is not None:
+                    self._inbox.put(("abort", g.request_id, None, None))
+                    self._wakeup.set()
+
+    def _persistent_worker(self, g, cancel, loop, out) -> None:
+        try:
+            for item in self.persistent.generate(g, cancel):
+                loop.call_soon_threadsafe(out.put_nowait, item)
+        except Exception as exc:  # noqa: BLE001 - never leave the caller waiting
+            logger.exception("persistent lane failed")
+            loop.call_soon_threadsafe(out.put_nowait, GenerationError(g.request_id, str(exc), "persistent", "engine", "engine_error"))
+
+    def _engine_loop(self) -> None:
+        sinks: dict[str, tuple] = {}
+
+        def deliver(rid: str, item: Item) -> None:
+            loop, out = sinks[rid]
+            loop.call_soon_threadsafe(out.put_nowait, item)
+            if _is_last(item):
+                del sinks[rid]
+
+        while True:
+            while True:
+                try:
+                    op, arg, loop, out = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if op == "add":
+                    sinks[arg.request_id] = (loop, out)
+                    try:
+                        self.engine.add_request(arg.request_id, arg.prompt_token_ids, arg.params)
+                    except ValueError as exc:
+                        deliver(arg.request_id, GenerationError(arg.request_id, str(exc), "standard", "validation", "invalid_request"))
+                elif op == "abort":
+                    self.engine.abort(arg)
+                    sinks.pop(arg, None)
+            if not self.engine.has_unfinished():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                chunks = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - fail the batch's requests, keep the replica
+                logger.exception("engine step failed")
+                for rid in list(sinks):
+                    self.engine.abort(rid)
+                    deliver(rid, GenerationError(rid, f"engine step failed: {exc}", "standard", "engine", "engine_error"))
+                continue
+            for chunk in chunks:
+                if chunk.request_id in sinks:
+                    deliver(chunk.request_id, chunk)

@@ -1,0 +1,83 @@
+"""Messages to and from a replica's engine actor.
+
+Plain dataclasses so they pickle across Ray hops unchanged. The caller sends a
+:class:`GenerateRequest`; the actor streams back zero or
+more :class:`GenerationChunk` ending with one whose ``finish_reason`` is set, or
+a single :class:`Rejection` (nothing ran: the caller may fall back), or a
+:class:`GenerationError` (terminal for that request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replicas.request import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    """One generation request as the ingress hands it to a replica.
+
+    Attributes:
+        request_id: unique id (also the trace's request id).
+        prompt_token_ids: the tokenized prompt (chat template applied).
+        params: sampling parameters.
+        logprobs: the client asked for logprobs (not on the persistent lane).
+        num_sequences: the client's ``n`` (the ingress fans ``n > 1`` out).
+        has_stop_token_sequences: multi-token stop sequences were given.
+        kv_transfer: disaggregated-serving KV transfer was requested.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    logprobs: bool = False
+    num_sequences: int = 1
+    has_stop_token_sequences: bool = False
+    kv_transfer: bool = False
+
+
+@dataclass
+class GenerationChunk:
+    """New tokens of one request.
+
+    Attributes:
+        token_ids: ids generated since the previous chunk (a whole quantum on
+            the persistent lane).
+        text: their detokenized text (stop strings removed).
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None while running.
+        num_prompt_tokens / num_output_tokens: usage counters so far.
+        lane: ``"persistent"`` or ``"standard"``.
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    lane: str = "standard"
+    fallback_reason: str | None = None
+    """Set on the chunk where a persistent request continued without its decoder (prelaunch error mid-request)."""
+
+
+@dataclass
+class Rejection:
+    """Prelaunch rejection: nothing in the KV cache changed; route elsewhere."""
+
+    request_id: str
+    reason: str
+    lane: str = "persistent"
+    stage: str = "prelaunch"
+    detail: str = ""
+
+
+@dataclass
+class GenerationError:
+    """A failure that ends the request (after a launch, or an engine fault)."""
+
+    request_id: str
+    message: str
+    lane: str
+    stage: str = "postlaunch"
+    reason: str = "backend_launch_error"

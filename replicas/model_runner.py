@@ -1,0 +1,72 @@
+"""Model runner: turns a scheduled batch into tensors and runs the forward.
+
+A batch is a list of ``(request, num_new_tokens)``: request ``r`` feeds
+``r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n]`` at those
+positions, with KV written through ``r.block_table``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replicas.kernels.paged_attention import PAGE_SIZE, AttentionMetadata
+from replicas.request import Request
+
+
+def build_metadata(batch: list[tuple[Request, int]], device: torch.device | str) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Flatten a batch into ``input_ids [T]`` and :class:`AttentionMetadata`.
+
+    Raises:
+        ValueError: a request's block table does not cover its new tokens.
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    context_lens: list[int] = []
+    tables: list[torch.Tensor] = []
+    for req, n in batch:
+        start = req.num_computed_tokens
+        end = start + n
+        if len(req.block_table) * PAGE_SIZE < end:
+            raise ValueError(f"request {req.request_id}: {len(req.block_table)} pages cannot hold {end} tokens")
+        ids.extend(req.all_token_ids[start:end])
+        for pos in range(start, end):
+            positions.append(pos)
+            slots.append(req.block_table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE)
+        query_start.append(query_start[-1] + n)
+        context_lens.append(end)
+        tables.append(torch.tensor(req.block_table, dtype=torch.long, device=device))
+    meta = AttentionMetadata(
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start=query_start,
+        context_lens=context_lens,
+        block_tables=tables,
+    )
+    return torch.tensor(ids, dtype=torch.long, device=device), meta
+
+
+class ModelRunner:
+    """Runs the model over the replica's KV cache.
+
+    Args:
+        model: a model whose ``forward(input_ids, meta, kv_planes)`` returns ``[B, vocab]`` fp32 logits.
+        kv_planes: per layer ``(key_plane, value_plane)``.
+        device: where inputs are built.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_planes, device: torch.device | str):
+        self.model = model
+        self.kv_planes = kv_planes
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
+        """Forward the batch; KV of the new tokens lands in the cache.
+
+        Returns:
+            ``[len(batch), vocab]`` fp32 logits of each request's last new token.
+        """
+        input_ids, meta = build_metadata(batch, self.device)
+        return self.model(input_ids, meta, self.kv_planes)

@@ -1,0 +1,239 @@
+"""The persistent-decode contract every backend implements (DESIGN.md).
+
+The shapes and rules follow AMD aiter's ``aiter.MK1`` persistent decoder
+(squashed commit 4b492bb), which is the production target; our ``eager`` and
+``cuda_graph`` backends implement the same contract so the lane code is one.
+
+Token bookkeeping across a quantum: ``pending_token`` is the last sampled token
+whose KV is *not* yet in the cache; a quantum of ``k`` steps feeds it, writes
+its KV at position ``committed_kv_length``, samples the next token, and so on.
+Hence ``new committed == old committed + len(emitted)`` and
+``new pending == emitted[-1]``.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from replicas.kernels.paged_attention import PAGE_SIZE
+
+
+class PersistentDecoderError(RuntimeError):
+    """Base of the persistent decoder's errors."""
+
+    reason = "persistent_decoder_error"
+
+
+class PrelaunchError(PersistentDecoderError):
+    """Raised before any native launch: nothing in the KV cache changed, so the request may fall back."""
+
+    def __init__(self, message: str, reason: str = "unsupported_envelope"):
+        super().__init__(message)
+        self.reason = reason
+
+
+class BackendLaunchError(PersistentDecoderError):
+    """Raised during or after a launch: cache state may have changed; terminal for the request."""
+
+    reason = "backend_launch_error"
+
+
+class InvalidQuantumResultError(BackendLaunchError):
+    """A quantum returned a result that breaks the contract (see :func:`validate_result`)."""
+
+    reason = "invalid_quantum_result"
+
+
+class UnsupportedConfigurationError(PersistentDecoderError):
+    """The decoder cannot run this model/device/config at all."""
+
+    reason = "unsupported_envelope"
+
+
+class CheckpointError(PersistentDecoderError):
+    """The persistent checkpoint is missing or invalid."""
+
+    reason = "checkpoint_invalid"
+
+
+class NativeBinaryError(PersistentDecoderError):
+    """The native library could not be loaded."""
+
+    reason = "native_binary_unavailable"
+
+
+@dataclass(frozen=True)
+class CacheBinding:
+    """The engine's own KV cache as the decoder sees it (no second cache).
+
+    Attributes:
+        key_planes / value_planes: per layer, a contiguous 1-D ``uint8`` view of
+            that layer's K (V) plane ``[num_blocks, PAGE_SIZE, KVH, D]``.
+        block_counts: per layer, pages in the plane.
+        block_strides: per layer, bytes per page (GPT-OSS bf16: 16,384).
+        pools: per layer, the page pool id (one pool: all 0).
+        page_shape: ``(PAGE_SIZE, KVH, D)``; dtype: the cache's element dtype.
+    """
+
+    key_planes: tuple[torch.Tensor, ...]
+    value_planes: tuple[torch.Tensor, ...]
+    block_counts: tuple[int, ...]
+    block_strides: tuple[int, ...]
+    pools: tuple[int, ...]
+    page_shape: tuple[int, int, int]
+    dtype: torch.dtype
+
+    @classmethod
+    def from_kv_tensor(cls, kv: torch.Tensor) -> CacheBinding:
+        """Bind ``kv`` ``[2, L, num_blocks, PAGE_SIZE, KVH, D]`` (must be contiguous).
+
+        Raises:
+            UnsupportedConfigurationError: non-contiguous cache or a page size other than 16.
+        """
+        if not kv.is_contiguous():
+            raise UnsupportedConfigurationError("the KV cache tensor must be contiguous to bind")
+        if kv.dim() != 6 or kv.shape[0] != 2 or kv.shape[3] != PAGE_SIZE:
+            raise UnsupportedConfigurationError(f"unexpected KV cache shape {tuple(kv.shape)}")
+        layers, blocks = kv.shape[1], kv.shape[2]
+        stride = PAGE_SIZE * kv.shape[4] * kv.shape[5] * kv.element_size()
+        return cls(
+            key_planes=tuple(kv[0, i].reshape(-1).view(torch.uint8) for i in range(layers)),
+            value_planes=tuple(kv[1, i].reshape(-1).view(torch.uint8) for i in range(layers)),
+            block_counts=(blocks,) * layers,
+            block_strides=(stride,) * layers,
+            pools=(0,) * layers,
+            page_shape=(PAGE_SIZE, kv.shape[4], kv.shape[5]),
+            dtype=kv.dtype,
+        )
+
+    def typed_planes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer ``(key_plane, value_plane)`` re-viewed as ``[num_blocks, *page_shape]`` of ``dtype``.
+
+        These share storage with the engine's cache: writes land in it.
+        """
+        out = []
+        for k, v, n in zip(self.key_planes, self.value_planes, self.block_counts, strict=True):
+            out.append((k.view(self.dtype).view(n, *self.page_shape), v.view(self.dtype).view(n, *self.page_shape)))
+        return out
+
+
+@dataclass
+class QuantumRequest:
+    """One launch: up to ``max_tokens`` greedy steps for one sequence.
+
+    Attributes:
+        pending_token: last sampled token; its KV is not yet written.
+        committed_kv_length: tokens whose KV is in the cache.
+        max_sequence_length: the context limit.
+        max_tokens: this quantum's size (1..8).
+        eos_token_id: the primary EOS id (MK1 checks only this one).
+        ignore_eos: do not stop on stop ids.
+        full_block_map: contiguous 1-D int32 physical page ids covering at
+            least ``committed_kv_length + max_tokens`` positions.
+        rope_cosine / rope_sine: ``[len, 64]`` bf16 tables with the first 32
+            columns filled (MK1 only; None for our backends).
+        sliding_block_map: optional int32 page ids for sliding-window layers.
+        cancellation_flag: set it to stop the quantum early (between steps).
+        stop_token_ids: every id that ends generation; empty means just
+            ``eos_token_id`` (our backends check the whole set on device; MK1
+            sees only ``eos_token_id``).
+    """
+
+    pending_token: int
+    committed_kv_length: int
+    max_sequence_length: int
+    max_tokens: int
+    eos_token_id: int
+    ignore_eos: bool
+    full_block_map: torch.Tensor
+    rope_cosine: torch.Tensor | None = None
+    rope_sine: torch.Tensor | None = None
+    sliding_block_map: torch.Tensor | None = None
+    cancellation_flag: threading.Event | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class QuantumResult:
+    """What one launch produced.
+
+    Attributes:
+        finish_reason: ``"eos"`` (a stop id was emitted), ``"max_tokens"`` (the
+            quantum ran its size), ``"max_sequence_length"`` or ``"cancelled"``.
+        emitted_tokens: the tokens sampled, in order (1..max_tokens).
+        committed_kv_length: the new committed length.
+        pending_token: ``emitted_tokens[-1]``.
+        completed_epochs: steps run.
+    """
+
+    finish_reason: str
+    emitted_tokens: list[int] = field(default_factory=list)
+    committed_kv_length: int = 0
+    pending_token: int = -1
+    completed_epochs: int = 0
+
+
+def validate_request(req: QuantumRequest) -> None:
+    """Check a request before launch. Raises :class:`PrelaunchError` (nothing has run yet)."""
+    if not 1 <= req.max_tokens:
+        raise PrelaunchError(f"max_tokens must be >= 1, got {req.max_tokens}", "no_output_remaining")
+    if req.committed_kv_length + req.max_tokens > req.max_sequence_length:
+        raise PrelaunchError("quantum would pass max_sequence_length", "max_sequence_length")
+    bm = req.full_block_map
+    if bm.dtype != torch.int32 or bm.dim() != 1 or not bm.is_contiguous():
+        raise PrelaunchError("full_block_map must be a contiguous 1-D int32 tensor", "unsupported_envelope")
+    if bm.numel() * PAGE_SIZE < req.committed_kv_length + req.max_tokens:
+        raise PrelaunchError(
+            f"full_block_map has {bm.numel()} pages; the quantum needs "
+            f"{req.committed_kv_length + req.max_tokens} positions", "unsupported_envelope",
+        )
+
+
+def validate_result(req: QuantumRequest, res: QuantumResult) -> None:
+    """The caller's check of every result (DESIGN.md).
+
+    Raises:
+        InvalidQuantumResultError: ``1 <= len(emitted) <= max_tokens``,
+            ``committed == old + len(emitted)`` or ``pending == emitted[-1]`` fails.
+    """
+    n = len(res.emitted_tokens)
+    if not 1 <= n <= req.max_tokens:
+        raise InvalidQuantumResultError(f"quantum emitted {n} tokens, expected 1..{req.max_tokens}")
+    if res.committed_kv_length != req.committed_kv_length + n:
+        raise InvalidQuantumResultError(
+            f"committed_kv_length {res.committed_kv_length} != {req.committed_kv_length} + {n}"
+        )
+    if res.pending_token != res.emitted_tokens[-1]:
+        raise InvalidQuantumResultError(
+            f"pending_token {res.pending_token} != last emitted {res.emitted_tokens[-1]}"
+        )
+
+
+class PersistentBackend(abc.ABC):
+    """A persistent decoder bound to one replica's KV cache.
+
+    Life cycle: construct (may raise :class:`UnsupportedConfigurationError`,
+    :class:`CheckpointError`, :class:`NativeBinaryError`) → :meth:`bind_cache`
+    → :meth:`run_quantum` per quantum.
+    """
+
+    name: str = "abstract"
+    checks_stop_set_on_device: bool = True
+    """True when every stop id is checked inside the quantum (not only one EOS id)."""
+
+    @abc.abstractmethod
+    def bind_cache(self, binding: CacheBinding) -> None:
+        """Bind the engine's KV planes. Raises :class:`UnsupportedConfigurationError`."""
+
+    @abc.abstractmethod
+    def run_quantum(self, req: QuantumRequest) -> QuantumResult:
+        """Run one quantum.
+
+        Raises:
+            PrelaunchError: rejected before launch (cache untouched).
+            BackendLaunchError: failed after launch (cache may have changed).
+        """

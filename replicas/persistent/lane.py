@@ -1,0 +1,212 @@
+"""The persistent lane: one greedy request at a time, decoded in quanta.
+
+Flow per request: admission (``policy``) → reserve prompt pages → prefill with
+the engine's model runner → stream the first token → repeat { size the quantum
+(``policy.quantum_size``), reserve its pages, launch, validate the result,
+stream the quantum as one chunk } → free the pages.
+
+Errors: a rejection before anything ran is a :class:`Rejection` (the router
+falls back to the standard lane). A :class:`PrelaunchError` on a later quantum
+leaves the cache untouched, so the request continues on the reference decode
+path in this replica and the chunk carries ``fallback_reason``. A
+:class:`BackendLaunchError` (or an invalid result) is terminal for the request
+and marks the decoder unhealthy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from policy import AdmissionInput, check_admission, quantum_size
+from replicas.detokenizer import IncrementalDetokenizer
+from replicas.engine import EngineCore
+from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
+from replicas.persistent.contract import (
+    BackendLaunchError,
+    CacheBinding,
+    PersistentBackend,
+    PrelaunchError,
+    QuantumRequest,
+    validate_result,
+)
+from replicas.persistent.eager import EagerBackend
+from replicas.request import FinishReason, Request
+from replicas.stops import check_stop
+
+LANE = "persistent"
+
+
+class PersistentLane:
+    """Runs requests through a persistent backend bound to ``core``'s KV cache.
+
+    Args:
+        core: the replica's engine core (model, KV cache, pages).
+        backend: a bound-on-construction backend, or None when it failed to load.
+        load_error: why the backend is missing (reported as unhealthy).
+    """
+
+    def __init__(self, core: EngineCore, backend: PersistentBackend | None, load_error: str | None = None):
+        self.core = core
+        self.backend = backend
+        self.unhealthy_reason: str | None = load_error if backend is None else None
+        self._busy = threading.Lock()
+        self._reference: EagerBackend | None = None
+        self.quanta_run = 0
+        if backend is not None:
+            backend.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
+
+    @property
+    def healthy(self) -> bool:
+        return self.unhealthy_reason is None
+
+    @property
+    def busy(self) -> bool:
+        return self._busy.locked()
+
+    def _admission(self, g: GenerateRequest) -> str | None:
+        p = g.params
+        reason = check_admission(AdmissionInput(
+            enabled=self.backend is not None,
+            queued_requests=1 if self.busy else 0,
+            num_sequences=g.num_sequences,
+            temperature=p.temperature,
+            top_k=p.top_k,
+            logprobs=g.logprobs,
+            has_stop_strings=bool(p.stop),
+            has_stop_token_sequences=g.has_stop_token_sequences,
+            kv_transfer=g.kv_transfer,
+            committed_tokens=len(g.prompt_token_ids),
+            max_model_len=self.core.config.max_model_len,
+            remaining_output_tokens=p.max_tokens,
+        ))
+        if reason is None and not self.healthy:
+            return "decoder_unhealthy"
+        return reason.value if reason is not None else None
+
+    def generate(
+        self, g: GenerateRequest, cancel: threading.Event | None = None
+    ) -> Iterator[GenerationChunk | Rejection | GenerationError]:
+        """Serve one request; yields a Rejection, or chunks, or chunks then an error."""
+        reason = self._admission(g)
+        if reason is not None:
+            yield Rejection(g.request_id, reason, lane=LANE)
+            return
+        if not self._busy.acquire(blocking=False):
+            yield Rejection(g.request_id, "queued_work", lane=LANE)
+            return
+        req = Request(g.request_id, list(g.prompt_token_ids), g.params)
+        try:
+            yield from self._run(req, cancel)
+        finally:
+            self.core.allocator.release(req.block_table)
+            self._busy.release()
+
+    def _run(self, req: Request, cancel: threading.Event | None):
+        core = self.core
+        if not core.allocator.can_grow(req.block_table, req.num_prompt_tokens):
+            yield Rejection(req.request_id, "persistent_capacity", lane=LANE, detail="no free KV pages for the prompt")
+            return
+        core.allocator.grow(req.block_table, req.num_prompt_tokens)
+        detok = IncrementalDetokenizer(core.tokenizer, req.params.stop)
+        try:
+            logits = core.runner.execute([(req, req.num_prompt_tokens)])  # prefill
+        except Exception as exc:  # noqa: BLE001 - reported to the client, replica stays up
+            yield GenerationError(req.request_id, f"prefill failed: {exc}", LANE, stage="prefill", reason="prefill_error")
+            return
+        req.num_computed_tokens = req.num_prompt_tokens
+        chunk = self._emit(req, detok, [int(logits[0].argmax())])
+        yield chunk
+        fallback: str | None = None
+        fallback_reported = False
+        while chunk.finish_reason is None:
+            if cancel is not None and cancel.is_set():
+                yield self._chunk(req, [], "", FinishReason.ABORT)
+                return
+            size = quantum_size(
+                req.remaining_output_tokens, core.config.max_model_len, req.num_computed_tokens,
+                num_eos_ids=len(self._stop_ids(req)),
+                device_checks_stop_set=self.backend.checks_stop_set_on_device,
+            )
+            if not core.allocator.can_grow(req.block_table, req.num_computed_tokens + size):
+                yield GenerationError(req.request_id, "out of KV pages mid-request", LANE, stage="prelaunch",
+                                      reason="persistent_capacity")
+                return
+            core.allocator.grow(req.block_table, req.num_computed_tokens + size)
+            qreq = self._quantum_request(req, size, cancel)
+            backend = self._reference if fallback else self.backend
+            try:
+                result = backend.run_quantum(qreq)
+                validate_result(qreq, result)
+            except PrelaunchError as exc:
+                if fallback:  # the reference path rejected too: nothing more to try
+                    yield GenerationError(req.request_id, str(exc), LANE, stage="prelaunch", reason=exc.reason)
+                    return
+                fallback = exc.reason
+                if self._reference is None:
+                    self._reference = EagerBackend(core.model, core.runner.device)
+                    self._reference.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
+                continue
+            except Exception as exc:  # noqa: BLE001 - BackendLaunchError, invalid result, or a bug
+                self.unhealthy_reason = getattr(exc, "reason", BackendLaunchError.reason)
+                yield GenerationError(req.request_id, f"persistent decoder failed after launch: {exc}", LANE,
+                                      stage="postlaunch", reason=self.unhealthy_reason)
+                return
+            self.quanta_run += 1
+            req.num_computed_tokens = result.committed_kv_length
+            chunk = self._emit(req, detok, result.emitted_tokens)
+            if fallback and not fallback_reported:
+                chunk.fallback_reason, fallback_reported = fallback, True
+            yield chunk
+
+    def _stop_ids(self, req: Request) -> frozenset[int]:
+        ids = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            ids |= self.core.eos_token_ids
+        return frozenset(ids)
+
+    def _quantum_request(self, req: Request, size: int, cancel) -> QuantumRequest:
+        stop_ids = self._stop_ids(req)
+        eos = min(self.core.eos_token_ids) if self.core.eos_token_ids else -1
+        return QuantumRequest(
+            pending_token=req.output_token_ids[-1],
+            committed_kv_length=req.num_computed_tokens,
+            max_sequence_length=self.core.config.max_model_len,
+            max_tokens=size,
+            eos_token_id=eos,
+            ignore_eos=not stop_ids,
+            full_block_map=torch.tensor(req.block_table, dtype=torch.int32),
+            cancellation_flag=cancel,
+            stop_token_ids=tuple(sorted(stop_ids)),
+        )
+
+    def _emit(self, req: Request, detok: IncrementalDetokenizer, tokens: list[int]) -> GenerationChunk:
+        """Append tokens (cut at the first stop), detokenize, and build the chunk."""
+        finish = None
+        accepted = []
+        for tok in tokens:
+            req.output_token_ids.append(tok)
+            accepted.append(tok)
+            finish = check_stop(req, self.core.eos_token_ids, self.core.config.max_model_len)
+            if finish is not None:
+                break
+        text = detok.append(accepted, final=finish is not None)
+        return self._chunk(req, accepted, text, finish)
+
+    def _chunk(self, req: Request, tokens, text, finish: FinishReason | None) -> GenerationChunk:
+        return GenerationChunk(
+            request_id=req.request_id, token_ids=tokens, text=text,
+            finish_reason=finish.value if finish else None,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens, lane=LANE,
+        )
+
+    def stats(self) -> dict:
+        a = self.core.allocator
+        return {
+            "lane": LANE, "kv_pages_total": a.num_blocks, "kv_pages_free": a.num_free,
+            "running": int(self.busy), "waiting": 0, "decoder_healthy": self.healthy,
+            "unhealthy_reason": self.unhealthy_reason, "quanta_run": self.quanta_run,
+            "backend": self.backend.name if self.backend else None,
+        }

@@ -1,0 +1,71 @@
+"""ray_cluster.yaml is a valid Ray cluster-launcher config with the node types we rely on.
+
+Validated against the JSON schema that ships inside the installed Ray
+(``ray/autoscaler/ray-schema.json``) and through Ray's own ``prepare_config`` /
+``validate_config``, i.e. what ``ray up`` does before it contacts the cloud.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CLUSTER_YAML = REPO_ROOT / "ray_cluster.yaml"
+
+jsonschema = pytest.importorskip("jsonschema")  # a dependency of ray itself
+
+
+@pytest.fixture(scope="module")
+def config() -> dict[str, Any]:
+    with CLUSTER_YAML.open() as f:
+        loaded = yaml.safe_load(f)
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def ray_schema() -> dict[str, Any]:
+    autoscaler = pytest.importorskip("ray.autoscaler")
+    schema_path = Path(os.path.dirname(autoscaler.__file__)) / "ray-schema.json"
+    return json.loads(schema_path.read_text())
+
+
+def test_matches_rays_json_schema(config: dict[str, Any], ray_schema: dict[str, Any]) -> None:
+    jsonschema.validate(config, ray_schema)
+
+
+def test_passes_rays_own_config_validation(config: dict[str, Any]) -> None:
+    util = pytest.importorskip("ray.autoscaler._private.util")
+    prepared = util.prepare_config(config)  # merges the provider's defaults, as `ray up` does
+    util.validate_config(prepared)
+    assert prepared["available_node_types"]["gpu_worker"]["max_workers"] == 4
+
+
+def test_node_types(config: dict[str, Any]) -> None:
+    assert config["cluster_name"] == "persistent-serve"
+    node_types = config["available_node_types"]
+    assert config["head_node_type"] == "head"
+
+    head = node_types["head"]
+    assert head["resources"].get("GPU", 0) == 0
+    assert head["resources"]["CPU"] > 0
+
+    worker = node_types["gpu_worker"]
+    assert worker["resources"]["GPU"] == 8
+    assert worker["min_workers"] == 0
+    assert worker["max_workers"] == 4
+    assert sum(t.get("min_workers", 0) for t in node_types.values()) <= config["max_workers"]
+    assert worker["max_workers"] <= config["max_workers"]
+
+
+def test_installs_the_mounted_project(config: dict[str, Any]) -> None:
+    assert config["file_mounts"] == {"~/persistent-serve": "."}
+    assert (REPO_ROOT / "pyproject.toml").is_file()  # `ray up` runs from the repo root
+    assert "pip install -e ~/persistent-serve" in config["setup_commands"]
+    assert any(cmd.startswith('pip install "torch==') for cmd in config["setup_commands"])
