@@ -1,0 +1,43 @@
+"""Build the Serve application: ingress (with the router) + persistent and standard pools.
+
+``serve run deployments.app:app`` serves the embedded default model with
+``--persistent-decoder auto``; ``serve run deployments.app:build_app
+persistent-decoder=off model=/path/to/hf-dir`` passes arguments.
+"""
+
+from __future__ import annotations
+
+from ray.serve import Application
+
+from deployments.config import AppConfig
+from deployments.ingress import OpenAIIngress
+from deployments.replicas import PersistentReplica, StandardReplica
+
+REPLICA_CPUS = 0.05
+"""CPUs of a replica's own bundle (the thin async shell; the engine actor has bundle 1)."""
+
+
+def _pool(deployment, config: AppConfig, replicas: int):
+    gpus = config.gpus_per_engine()
+    engine_bundle = {"CPU": config.engine_num_cpus, **({"GPU": gpus} if gpus else {})}
+    return deployment.options(
+        num_replicas=replicas,
+        ray_actor_options={"num_cpus": REPLICA_CPUS},
+        placement_group_bundles=[{"CPU": REPLICA_CPUS}, engine_bundle],
+        placement_group_strategy="STRICT_PACK",
+    ).bind(config, config.engine_num_cpus, gpus)
+
+
+def build_app(args: dict | AppConfig | None = None) -> Application:
+    """The Serve application for ``args`` (a dict of CLI-style keys, or an :class:`AppConfig`).
+
+    Raises:
+        pydantic.ValidationError: bad arguments (e.g. ``required`` with a missing checkpoint).
+    """
+    config = args if isinstance(args, AppConfig) else AppConfig.from_args(args)
+    standard = _pool(StandardReplica, config, config.num_standard_replicas)
+    persistent = _pool(PersistentReplica, config, config.num_persistent_replicas) if config.persistent_enabled else None
+    return OpenAIIngress.options(ray_actor_options={"num_cpus": REPLICA_CPUS}).bind(config, persistent, standard)
+
+
+app = build_app({})

@@ -1,0 +1,157 @@
+"""OpenAI-compatible HTTP ingress (FastAPI inside a Serve deployment).
+
+Parses the request (pydantic), applies the chat template, tokenizes, asks the
+in-process :class:`~deployments.router.Router` for a lane and streams the
+result as JSON or SSE. Every response carries ``x-lane``. Errors come back in
+OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from deployments.config import AppConfig
+from deployments.openai_format import ChatFormat, CompletionFormat, merge, to_http
+from deployments.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, new_id, now
+from deployments.router import Router
+from ops.tracing import setup_tracing
+from replicas.messages import GenerateRequest, GenerationError
+from replicas.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+api = FastAPI(title="persistent-serve", version="0.1.0")
+
+
+@api.exception_handler(OpenAIError)
+async def _openai_error(_: Request, exc: OpenAIError):
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError):
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(x) for x in first.get("loc", []) if x != "body"]
+    message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+    return JSONResponse(OpenAIError(message, param=".".join(loc) or None).body(), status_code=400)
+
+
+@serve.deployment(name="OpenAIIngress", max_ongoing_requests=256)
+@serve.ingress(api)
+class OpenAIIngress:
+    """The HTTP front door. Holds the tokenizer and the router."""
+
+    def __init__(self, config: AppConfig, persistent, standard):
+        from transformers import AutoTokenizer
+
+        from replicas.models.loader import resolve_model
+
+        setup_tracing(config.tracing)
+        self.config = config
+        self.model_name = config.engine.name
+        self.max_model_len = config.engine.max_model_len
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.engine.model, progress=False))
+        self.router = Router(
+            config.persistent_decoder, persistent if config.persistent_enabled else None, standard,
+            self.max_model_len, config.num_persistent_replicas,
+        )
+        self.persistent, self.standard = persistent, standard
+
+    # ---- endpoints -------------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": now(), "owned_by": "persistent-serve",
+             "max_model_len": self.max_model_len}
+        ]}
+
+    @api.get("/debug/stats")
+    async def stats(self):
+        """KV page accounting per lane (one replica of each answers)."""
+        out = {"standard": await self.standard.stats.remote()}
+        if self.router.persistent is not None:
+            out["persistent"] = await self.persistent.stats.remote()
+        out["router"] = {"persistent_in_flight": self.router.in_flight}
+        return out
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, body: ChatCompletionRequest):
+        self._check_common(body)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # noqa: BLE001 - template errors are the client's input
+            raise OpenAIError(f"could not apply the chat template: {exc}", param="messages") from exc
+        ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+        return await self._serve(body, ids, chat=True)
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        self._check_common(body)
+        if isinstance(body.prompt, str):
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=True)
+        else:
+            ids = list(body.prompt)
+            vocab = len(self.tokenizer)
+            if any(t < 0 or t >= vocab for t in ids):
+                raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return await self._serve(body, ids, chat=False)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _check_common(self, body) -> None:
+        if body.model != self.model_name:
+            raise OpenAIError(f"The model `{body.model}` does not exist.", status=404,
+                              param="model", code="model_not_found")
+        bad = body.unsupported()
+        if bad:
+            raise OpenAIError(f"not supported yet: {', '.join(bad)}", param=bad[0], code="unsupported_parameter")
+
+    def _requests(self, body, ids: list[int]) -> list[GenerateRequest]:
+        if not ids:
+            raise OpenAIError("the prompt is empty", param="prompt")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"has {len(ids)} tokens (prompt + at least 1 output token must fit).",
+                param="messages" if hasattr(body, "messages") else "prompt", code="context_length_exceeded")
+        limit = body.output_limit()
+        max_tokens = min(limit, room) if limit else room
+        base = new_id("req")
+        out = []
+        for i in range(body.n):
+            seed = body.seed + i if body.seed is not None else None
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                top_k=body.top_k if body.top_k and body.top_k > 0 else None, seed=seed,
+                stop=tuple(body.stop or ()), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+            )
+            rid = base if body.n == 1 else f"{base}-{i}"
+            out.append(GenerateRequest(rid, ids, params, logprobs=False, num_sequences=body.n))
+        return out
+
+    async def _serve(self, body, ids: list[int], chat: bool):
+        reqs = self._requests(body, ids)
+        stream = merge([self.router.generate(g) for g in reqs])
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            raise OpenAIError("no output", status=500, type_="server_error") from None
+        if isinstance(first[1], GenerationError):
+            await stream.aclose()
+            raise to_http(first[1])
+        headers = {"x-lane": first[1].lane}
+        fmt = ChatFormat(self.model_name) if chat else CompletionFormat(self.model_name)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                fmt.sse(first, stream, body.n, include_usage), media_type="text/event-stream", headers=headers
+            )
+        return JSONResponse(await fmt.collect(first, stream, body.n), headers=headers)

@@ -1,0 +1,124 @@
+"""The router: picks a lane per request (asking ``policy``) and handles fallbacks.
+
+It runs inside the ingress process, so routing adds no Ray hop: the request
+goes ingress → replica → engine actor. Every request gets a ``route`` span;
+every request that could have gone persistent but did not gets a ``fallback``
+span with the reason and stage (``ops.tracing``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from opentelemetry import trace
+
+from ops.tracing import ATTR_LANE, ATTR_REASON, SPAN_ROUTE, get_tracer, record_fallback
+from policy import (
+    AdmissionInput,
+    Lane,
+    Mode,
+    PersistentLaneStatus,
+    Reason,
+    check_admission,
+    choose_lane,
+)
+from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
+
+UNHEALTHY_RETRY_S = 5.0
+"""After a replica reports an unhealthy decoder, skip the persistent lane this long (Serve replaces it)."""
+
+
+class Router:
+    """Lane choice and fallback for one ingress replica.
+
+    Args:
+        mode: persistent-decoder mode.
+        persistent: Serve handle of the persistent deployment (None when off).
+        standard: Serve handle of the standard deployment.
+        max_model_len: context limit used for admission.
+        persistent_capacity: concurrent requests the persistent pool takes
+            (its replica count: batch one each).
+    """
+
+    def __init__(self, mode: Mode, persistent, standard, max_model_len: int, persistent_capacity: int):
+        self.mode = mode
+        self.persistent = persistent
+        self.standard = standard
+        self.max_model_len = max_model_len
+        self.capacity = persistent_capacity
+        self.in_flight = 0
+        self._unhealthy_until = 0.0
+
+    def _status(self) -> PersistentLaneStatus:
+        return PersistentLaneStatus(
+            available=self.persistent is not None,
+            healthy=time.monotonic() >= self._unhealthy_until,
+            has_capacity=self.in_flight < self.capacity,
+        )
+
+    def decide(self, g: GenerateRequest):
+        """The lane decision for ``g`` (pure: policy admission + lane choice)."""
+        p = g.params
+        reason = check_admission(AdmissionInput(
+            enabled=self.mode is not Mode.OFF and self.persistent is not None,
+            num_sequences=g.num_sequences,
+            temperature=p.temperature,
+            top_k=p.top_k,
+            logprobs=g.logprobs,
+            has_stop_strings=bool(p.stop),
+            has_stop_token_sequences=g.has_stop_token_sequences,
+            kv_transfer=g.kv_transfer,
+            committed_tokens=len(g.prompt_token_ids),
+            max_model_len=self.max_model_len,
+            remaining_output_tokens=p.max_tokens,
+        ))
+        return choose_lane(self.mode, reason, self._status())
+
+    async def generate(self, g: GenerateRequest) -> AsyncIterator[GenerationChunk | GenerationError]:
+        """Stream the request's chunks from whichever lane serves it (fallbacks included)."""
+        decision = self.decide(g)
+        span = get_tracer().start_span(SPAN_ROUTE, attributes={
+            ATTR_LANE: decision.lane.value, "mode": self.mode.value, "request.id": g.request_id,
+            "gen_ai.request.temperature": g.params.temperature,
+            **({ATTR_REASON: decision.reason.value} if decision.reason else {}),
+        })
+        try:
+            lane = decision.lane
+            if lane is Lane.STANDARD and self.mode is not Mode.OFF:
+                self._fallback(span, decision.reason.value, "prelaunch", g.request_id)
+            if lane is Lane.PERSISTENT:
+                rejected = None
+                self.in_flight += 1
+                try:
+                    async for item in self.persistent.options(stream=True).generate.remote(g):
+                        if isinstance(item, Rejection):
+                            rejected = item
+                            break
+                        if isinstance(item, GenerationError):
+                            self._fallback(span, item.reason, "postlaunch" if item.stage == "postlaunch" else "prelaunch",
+                                           g.request_id, lane=None)
+                            if item.stage == "postlaunch":
+                                self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
+                        elif item.fallback_reason:
+                            self._fallback(span, item.fallback_reason, "prelaunch", g.request_id,
+                                           lane="persistent", continued_on="reference_decode")
+                        yield item
+                finally:
+                    self.in_flight -= 1
+                if rejected is None:
+                    return
+                if rejected.reason == Reason.DECODER_UNHEALTHY.value:
+                    self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
+                self._fallback(span, rejected.reason, "prelaunch", g.request_id)
+                span.set_attribute(ATTR_LANE, Lane.STANDARD.value)
+                span.set_attribute(ATTR_REASON, rejected.reason)
+            async for item in self.standard.options(stream=True).generate.remote(g):
+                yield item
+        finally:
+            span.end()
+
+    @staticmethod
+    def _fallback(span, reason: str, stage: str, request_id: str, lane: str | None = "standard", **attrs) -> None:
+        with trace.use_span(span, end_on_exit=False):
+            record_fallback(reason, stage, request_id, lane=lane, **attrs)
