@@ -6,7 +6,6 @@ Accepts the CLI's and ``serve run ... key=value`` spellings
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -14,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ops.tracing import TracingConfig
 from policy import Mode
 from replicas.config import EngineConfig
+from replicas.persistent.checkpoint import CheckpointError, check_checkpoint_dir
 
 
 class AppConfig(BaseModel):
@@ -46,11 +46,14 @@ class AppConfig(BaseModel):
         if self.persistent_decoder is Mode.REQUIRED and self.num_persistent_replicas < 1:
             raise ValueError("--persistent-decoder required needs at least one persistent replica")
         ckpt = self.persistent_decoder_checkpoint
-        if self.persistent_decoder is Mode.REQUIRED and ckpt is not None and not Path(ckpt).is_dir():
-            raise ValueError(
-                f"--persistent-decoder required: the persistent-decoder checkpoint {ckpt} does not exist; "
-                "fix the path or use --persistent-decoder auto"
-            )
+        if self.persistent_decoder is Mode.REQUIRED and ckpt is not None:
+            try:
+                check_checkpoint_dir(ckpt)
+            except CheckpointError as exc:
+                raise ValueError(
+                    f"--persistent-decoder required, but the persistent decoder cannot be loaded: {exc}. "
+                    "Fix the checkpoint or use --persistent-decoder auto."
+                ) from exc
         return self
 
     @property

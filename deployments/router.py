@@ -26,7 +26,8 @@ from policy import (
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
 
 UNHEALTHY_RETRY_S = 5.0
-"""After a replica reports an unhealthy decoder, skip the persistent lane this long (Serve replaces it)."""
+"""After a replica reports an unhealthy or unusable decoder, skip the persistent lane this long
+(Serve replaces an unhealthy replica meanwhile), then try it again."""
 
 
 class Router:
@@ -49,11 +50,13 @@ class Router:
         self.capacity = persistent_capacity
         self.in_flight = 0
         self._unhealthy_until = 0.0
+        self._unsupported_until = 0.0
 
     def _status(self) -> PersistentLaneStatus:
         return PersistentLaneStatus(
             available=self.persistent is not None,
             healthy=time.monotonic() >= self._unhealthy_until,
+            envelope_supported=time.monotonic() >= self._unsupported_until,
             has_capacity=self.in_flight < self.capacity,
         )
 
@@ -110,6 +113,8 @@ class Router:
                     return
                 if rejected.reason == Reason.DECODER_UNHEALTHY.value:
                     self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
+                elif rejected.reason == Reason.UNSUPPORTED_ENVELOPE.value:
+                    self._unsupported_until = time.monotonic() + UNHEALTHY_RETRY_S
                 self._fallback(span, rejected.reason, "prelaunch", g.request_id)
                 span.set_attribute(ATTR_LANE, Lane.STANDARD.value)
                 span.set_attribute(ATTR_REASON, rejected.reason)

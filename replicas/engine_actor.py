@@ -22,6 +22,7 @@ from policy import Mode
 from replicas.config import EngineConfig
 from replicas.engine import EngineCore, LLMEngine
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
+from replicas.persistent.checkpoint import CheckpointError
 from replicas.persistent.contract import PersistentDecoderError
 from replicas.persistent.factory import create_backend
 from replicas.persistent.lane import PersistentLane
@@ -70,13 +71,13 @@ class EngineActor:
             decoder, error = None, None
             try:
                 decoder = create_backend(backend, self.core, checkpoint)
-            except PersistentDecoderError as exc:
+            except (PersistentDecoderError, CheckpointError) as exc:
                 if self.mode is Mode.REQUIRED:
                     raise PersistentDecoderLoadError(
                         f"--persistent-decoder required, but the persistent decoder could not be loaded: {exc}"
                     ) from exc
                 logger.warning("persistent decoder unavailable (%s); requests will fall back", exc)
-                error = exc.reason
+                error = f"{exc.reason}: {exc}"
             self.persistent = PersistentLane(self.core, decoder, error)
 
     async def ready(self) -> dict:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from replicas.kernels.paged_attention import PAGE_SIZE
+from replicas.persistent.checkpoint import CheckpointError  # noqa: F401 - re-exported, part of the error family
 
 
 class PersistentDecoderError(RuntimeError):
@@ -52,12 +53,6 @@ class UnsupportedConfigurationError(PersistentDecoderError):
     """The decoder cannot run this model/device/config at all."""
 
     reason = "unsupported_envelope"
-
-
-class CheckpointError(PersistentDecoderError):
-    """The persistent checkpoint is missing or invalid."""
-
-    reason = "checkpoint_invalid"
 
 
 class NativeBinaryError(PersistentDecoderError):

@@ -2,40 +2,12 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from replicas.engine import EngineCore
-from replicas.persistent.contract import (
-    CheckpointError,
-    PersistentBackend,
-    UnsupportedConfigurationError,
-)
+from replicas.persistent.checkpoint import check_checkpoint_dir
+from replicas.persistent.contract import PersistentBackend, UnsupportedConfigurationError
 from replicas.persistent.eager import EagerBackend
 
 BACKENDS = ("auto", "eager")
-MANIFEST_NAME = "persistent_decoder_manifest.json"
-
-
-def check_checkpoint_dir(path: str | Path) -> dict:
-    """Minimal checkpoint check: the directory exists and holds a parseable manifest.
-
-    Returns:
-        The parsed manifest.
-
-    Raises:
-        CheckpointError: the directory or manifest is missing or unreadable.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"persistent-decoder checkpoint {path} does not exist or is not a directory")
-    manifest = path / MANIFEST_NAME
-    if not manifest.is_file():
-        raise CheckpointError(f"persistent-decoder checkpoint {path} has no {MANIFEST_NAME}")
-    try:
-        return json.loads(manifest.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{manifest} is not valid JSON: {exc}") from exc
 
 
 def create_backend(kind: str, core: EngineCore, checkpoint: str | None = None) -> PersistentBackend:
@@ -43,7 +15,8 @@ def create_backend(kind: str, core: EngineCore, checkpoint: str | None = None) -
 
     ``auto`` picks ``eager`` (the only backend in this build). The eager
     backend decodes with the engine's own weights; a checkpoint, when given,
-    must exist and hold a manifest.
+    must pass :func:`~replicas.persistent.checkpoint.check_checkpoint_dir`
+    (loading persistent weights from it comes with the GPT-OSS checkpoint work).
 
     Raises:
         UnsupportedConfigurationError: unknown backend.

@@ -69,7 +69,7 @@ class PersistentLane:
     def _admission(self, g: GenerateRequest) -> str | None:
         p = g.params
         reason = check_admission(AdmissionInput(
-            enabled=self.backend is not None,
+            enabled=True,
             queued_requests=1 if self.busy else 0,
             num_sequences=g.num_sequences,
             temperature=p.temperature,
@@ -82,9 +82,13 @@ class PersistentLane:
             max_model_len=self.core.config.max_model_len,
             remaining_output_tokens=p.max_tokens,
         ))
-        if reason is None and not self.healthy:
+        if reason is not None:
+            return reason.value
+        if self.backend is None:
+            return "unsupported_envelope"
+        if not self.healthy:
             return "decoder_unhealthy"
-        return reason.value if reason is not None else None
+        return None
 
     def generate(
         self, g: GenerateRequest, cancel: threading.Event | None = None
@@ -92,7 +96,8 @@ class PersistentLane:
         """Serve one request; yields a Rejection, or chunks, or chunks then an error."""
         reason = self._admission(g)
         if reason is not None:
-            yield Rejection(g.request_id, reason, lane=LANE)
+            detail = (self.unhealthy_reason or "") if reason in ("unsupported_envelope", "decoder_unhealthy") else ""
+            yield Rejection(g.request_id, reason, lane=LANE, detail=detail)
             return
         if not self._busy.acquire(blocking=False):
             yield Rejection(g.request_id, "queued_work", lane=LANE)

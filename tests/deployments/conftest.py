@@ -1,0 +1,84 @@
+"""A real local Ray cluster running the real Serve app over real HTTP, shared by this folder's tests.
+
+Two applications are deployed once per session on one Serve instance:
+``/`` with ``--persistent-decoder auto`` and ``/off`` with ``--persistent-decoder off``.
+Tracing goes over OTLP/HTTP to a real receiver started here.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.ops.otlp_receiver import OTLPReceiver
+
+MODEL = "smollm2-135m-instruct"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def otlp():
+    with OTLPReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def server(otlp):
+    """Base URL of the running app (auto mode); ``/off`` serves the off-mode app."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from deployments.app import build_app
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    common = {"max_model_len": 1024, "num_kv_blocks": 256, "tracing_exporter": "otlp",
+              "tracing_endpoint": otlp.endpoint, "progress": False}
+    serve.run(build_app({**common, "persistent_decoder": "auto"}), name="auto", route_prefix="/")
+    serve.run(build_app({**common, "persistent_decoder": "off"}), name="off", route_prefix="/off")
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    yield base
+    serve.shutdown()
+    ray.shutdown()
+
+
+def pool_stats(base: str) -> dict:
+    return httpx.get(f"{base}/debug/stats", timeout=30).json()
+
+
+def assert_pages_returned(base: str, timeout: float = 10.0) -> dict:
+    """Poll ``/debug/stats`` until every lane's KV pool is full again; fail if it never is."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = pool_stats(base)
+        lanes = [v for k, v in stats.items() if k in ("standard", "persistent")]
+        if all(s["kv_pages_free"] == s["kv_pages_total"] for s in lanes):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV pages not returned: {stats}")
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def client(server):
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield c
+    assert_pages_returned(server)
+    assert_pages_returned(f"{server}/off")

@@ -1,0 +1,149 @@
+"""End to end over real HTTP with the official ``openai`` client against the real Ray app."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.deployments.conftest import MODEL
+
+pytestmark = pytest.mark.ray
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _fallbacks(otlp, request_id: str | None = None, reason: str | None = None):
+    def match(span):
+        return (
+            span.name == "fallback"
+            and (reason is None or span.attributes.get("fallback.reason") == reason)
+            and (request_id is None or span.attributes.get("request.id") == request_id)
+        )
+    return otlp.wait_for(match, timeout=20)
+
+
+def _route_for(otlp, trace_id: str):
+    return otlp.wait_for(lambda s: s.name == "route" and s.trace_id == trace_id, timeout=20)[0]
+
+
+def test_greedy_chat_is_served_by_persistent_lane(client):
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=32)
+    body = raw.parse()
+    assert raw.headers["x-lane"] == "persistent"
+    assert "Paris" in body.choices[0].message.content
+    assert body.choices[0].finish_reason == "stop"
+    assert body.usage.completion_tokens > 0 and body.usage.prompt_tokens > 0
+
+
+def test_greedy_chat_streams_from_persistent_lane_in_quanta(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=32, stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert raw.headers["x-lane"] == "persistent"
+    chunks = list(raw.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens > 1
+    # one chunk for the prefill token, then one per quantum of up to 8 tokens
+    assert len(content_chunks) <= 1 + -(-(usage.completion_tokens - 1) // 8)
+
+
+def test_sampled_request_falls_back_with_span(client, otlp):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=FRANCE, temperature=0.8, max_tokens=16, seed=1
+    )
+    assert raw.headers["x-lane"] == "standard"
+    assert raw.parse().choices[0].message.content
+    span = _fallbacks(otlp, reason="non_greedy")[-1]
+    assert span.attributes["fallback.stage"] == "prelaunch"
+    assert span.attributes["lane"] == "standard"
+    route = _route_for(otlp, span.trace_id)
+    assert span.parent_span_id == route.span_id
+    assert route.attributes["reason"] == "non_greedy" and route.attributes["mode"] == "auto"
+
+
+def test_n2_falls_back_unsupported_decode_batch(client, otlp):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=8, n=2
+    )
+    body = raw.parse()
+    assert raw.headers["x-lane"] == "standard"
+    assert sorted(c.index for c in body.choices) == [0, 1]
+    assert body.choices[0].message.content == body.choices[1].message.content  # greedy: identical
+    _fallbacks(otlp, reason="unsupported_decode_batch")
+
+
+def test_stop_strings_fall_back_and_are_honoured(client, otlp):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=32, stop=["Paris"]
+    )
+    body = raw.parse()
+    assert raw.headers["x-lane"] == "standard"
+    assert "Paris" not in body.choices[0].message.content
+    assert body.choices[0].finish_reason == "stop"
+    _fallbacks(otlp, reason="stop_strings")
+
+
+def test_lanes_give_identical_greedy_text(client):
+    persistent = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+    standard = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24, n=2)
+    assert persistent.choices[0].message.content == standard.choices[0].message.content
+
+
+def test_completions_endpoint_streams(client):
+    stream = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                       temperature=0, stream=True)
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert "Paris" in text
+
+
+@pytest.mark.parametrize("kwargs,status", [
+    ({"messages": FRANCE, "max_tokens": -1}, 400),
+    ({"messages": []}, 400),
+    ({"messages": FRANCE, "model": "no-such-model"}, 404),
+    ({"messages": FRANCE, "temperature": 5}, 400),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+])
+def test_invalid_requests_get_openai_errors_and_server_keeps_serving(client, kwargs, status):
+    args = {"model": MODEL, **kwargs}
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(**args)
+    assert info.value.status_code == status
+    err = info.value.response.json()["error"]
+    assert err["message"] and err["type"]
+    ok = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=4)
+    assert ok.choices[0].message.content
+
+
+def test_missing_messages_field(server):
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": MODEL}, timeout=30)
+    assert r.status_code == 400
+    assert "messages" in r.json()["error"]["message"]
+
+
+def test_prompt_longer_than_context_names_limits(client):
+    long = [{"role": "user", "content": "word " * 2000}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=long, temperature=0)
+    msg = info.value.response.json()["error"]["message"]
+    assert "1024" in msg and "context" in msg
+
+
+def test_models_and_health(server):
+    models = httpx.get(f"{server}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+
+
+def test_off_mode_serves_everything_on_standard_lane(server, otlp):
+    c = openai.OpenAI(base_url=f"{server}/off/v1", api_key="unused", max_retries=0, timeout=120)
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16)
+    assert raw.headers["x-lane"] == "standard"
+    assert "Paris" in raw.parse().choices[0].message.content
+    route = otlp.wait_for(lambda s: s.name == "route" and s.attributes.get("mode") == "off")[-1]
+    assert route.attributes["reason"] == "disabled"
+    assert not [s for s in otlp.spans() if s.name == "fallback" and s.trace_id == route.trace_id]
