@@ -9,6 +9,8 @@ marked unhealthy after a launch failure, so Serve replaces it.
 
 from __future__ import annotations
 
+import uuid
+
 import ray
 from ray import serve
 from ray.util import get_current_placement_group
@@ -16,6 +18,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from replicas.engine_actor import EngineActor
 from replicas.messages import GenerateRequest
+
+ENGINE_ACTOR_PREFIX = "persistent-serve-engine-"
+"""Engine actors are named ``<prefix><lane>-<id>`` so operators and benchmarks can find them."""
 
 
 class _EngineReplica:
@@ -27,7 +32,7 @@ class _EngineReplica:
         actor_cls = ray.remote(EngineActor)
         self.actor = actor_cls.options(
             num_cpus=engine_num_cpus, num_gpus=engine_num_gpus, scheduling_strategy=strategy,
-            max_concurrency=1000, name=None,
+            max_concurrency=1000, name=f"{ENGINE_ACTOR_PREFIX}{self.lane}-{uuid.uuid4().hex[:8]}",
         ).remote(
             config.engine, self.lane, config.persistent_decoder.value, config.persistent_backend,
             config.persistent_decoder_checkpoint,

@@ -38,7 +38,7 @@ def server(otlp):
 
     from deployments.app import build_app
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = {"max_model_len": 1024, "num_kv_blocks": 256, "tracing_exporter": "otlp",
