@@ -43,8 +43,15 @@ class _EngineReplica:
 
     async def generate(self, g: GenerateRequest):
         """Stream the engine actor's events for ``g`` (see ``replicas.messages``)."""
-        async for ref in self.actor.generate.options(num_returns="streaming").remote(g):
-            yield await ref
+        stream = self.actor.generate.options(num_returns="streaming").remote(g)
+        finished = False
+        try:
+            async for ref in stream:
+                yield await ref
+            finished = True
+        finally:
+            if not finished:  # the caller went away (client disconnect): stop the actor's work too
+                ray.cancel(stream)
 
     async def stats(self) -> dict:
         return await self.actor.stats.remote()

@@ -147,3 +147,29 @@ def test_off_mode_serves_everything_on_standard_lane(server, otlp):
     route = otlp.wait_for(lambda s: s.name == "route" and s.attributes.get("mode") == "off")[-1]
     assert route.attributes["reason"] == "disabled"
     assert not [s for s in otlp.spans() if s.name == "fallback" and s.trace_id == route.trace_id]
+
+
+@pytest.mark.parametrize("temperature,lane", [(0.8, "standard"), (0.0, "persistent")])
+def test_client_disconnect_aborts_and_frees_pages(server, temperature, lane):
+    """A client that goes away mid-stream stops its request: pages return long before it could finish."""
+    import time
+
+    from tests.deployments.conftest import assert_pages_returned, pool_stats
+
+    body = {"model": MODEL, "messages": FRANCE, "temperature": temperature, "max_tokens": 900,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.headers["x-lane"] == lane
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+            if got >= 3:
+                break
+        busy = pool_stats(server)[lane]
+        assert busy["kv_pages_free"] < busy["kv_pages_total"]
+    start = time.monotonic()
+    assert_pages_returned(server, timeout=8.0)
+    # 900 tokens would take far longer than this on CPU: the request was aborted
+    assert time.monotonic() - start < 8.0
