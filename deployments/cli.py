@@ -17,22 +17,31 @@ from deployments.config import AppConfig
 
 
 def parse_args(argv: list[str] | None = None) -> dict:
-    """Parse CLI flags into ``build_app`` arguments (only flags that were given)."""
-    p = argparse.ArgumentParser(prog="persistent-serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="embedded alias, .gguf file or HF checkpoint directory")
-    p.add_argument("--served-model-name")
-    p.add_argument("--persistent-decoder", choices=["off", "auto", "required"])
-    p.add_argument("--persistent-decoder-checkpoint", metavar="DIR")
-    p.add_argument("--persistent-backend", choices=["auto", "eager"])
-    p.add_argument("--num-persistent-replicas", type=int)
-    p.add_argument("--num-standard-replicas", type=int)
-    p.add_argument("--device")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--tracing-exporter", choices=["console", "otlp", "none"])
-    p.add_argument("--tracing-endpoint")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    """Parse CLI flags into ``build_app`` arguments (only the flags that were given)."""
+    p = argparse.ArgumentParser(
+        prog="persistent-serve",
+        description="Serve an OpenAI-compatible API on Ray Serve with persistent and standard lanes.",
+    )
+    p.add_argument("--model", help="smollm2-135m-instruct (embedded, default), a .gguf file, or an HF checkpoint dir")
+    p.add_argument("--served-model-name", help="name clients send as `model` (default: --model)")
+    p.add_argument("--persistent-decoder", choices=["off", "auto", "required"],
+                   help="off: all standard; auto (default): eligible requests go persistent; "
+                        "required: refuse to start without a working persistent decoder")
+    p.add_argument("--persistent-decoder-checkpoint", metavar="DIR",
+                   help="persistent-decoder checkpoint directory (manifest + safetensors)")
+    p.add_argument("--persistent-backend", choices=["auto", "eager"], help="persistent backend (default auto)")
+    p.add_argument("--num-persistent-replicas", type=int, help="persistent-lane replicas (default 1)")
+    p.add_argument("--num-standard-replicas", type=int, help="standard-lane replicas (default 1)")
+    p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens (default 2048)")
+    p.add_argument("--num-kv-blocks", type=int, help="KV pages of 16 tokens per replica (default 4 x max-model-len)")
+    p.add_argument("--tracing-exporter", choices=["console", "otlp", "none"],
+                   help="OpenTelemetry exporter (default: $OTEL_TRACES_EXPORTER or none)")
+    p.add_argument("--tracing-endpoint", help="OTLP endpoint (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     ns = vars(p.parse_args(argv))
     return {k: v for k, v in ns.items() if v is not None}
 

@@ -44,15 +44,15 @@ class AppConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> AppConfig:
         if self.persistent_decoder is Mode.REQUIRED and self.num_persistent_replicas < 1:
-            raise ValueError("--persistent-decoder required needs at least one persistent replica")
+            raise ValueError("persistent-decoder=required needs at least one persistent replica")
         ckpt = self.persistent_decoder_checkpoint
         if self.persistent_decoder is Mode.REQUIRED and ckpt is not None:
             try:
                 check_checkpoint_dir(ckpt)
             except CheckpointError as exc:
                 raise ValueError(
-                    f"--persistent-decoder required, but the persistent decoder cannot be loaded: {exc}. "
-                    "Fix the checkpoint or use --persistent-decoder auto."
+                    f"persistent-decoder=required, but the persistent decoder cannot be loaded: {exc}. "
+                    "Fix the checkpoint or use persistent-decoder=auto."
                 ) from exc
         return self
 

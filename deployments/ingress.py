@@ -7,16 +7,25 @@ OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import AppConfig
 from deployments.openai_format import ChatFormat, CompletionFormat, merge, to_http
-from deployments.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, new_id, now
+from deployments.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    new_id,
+    now,
+    validation_error,
+)
 from deployments.router import Router
 from ops.tracing import setup_tracing
 from replicas.messages import GenerateRequest, GenerationError
@@ -26,17 +35,26 @@ logger = logging.getLogger(__name__)
 api = FastAPI(title="persistent-serve", version="0.1.0")
 
 
+def _error_response(exc: OpenAIError) -> Response:
+    # json.dumps escapes non-ASCII (and lone surrogates a client may send), so any echo is safe
+    return Response(json.dumps(exc.body()), status_code=exc.status, headers=exc.headers,
+                    media_type="application/json")
+
+
 @api.exception_handler(OpenAIError)
 async def _openai_error(_: Request, exc: OpenAIError):
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return _error_response(exc)
 
 
 @api.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError):
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(x) for x in first.get("loc", []) if x != "body"]
-    message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-    return JSONResponse(OpenAIError(message, param=".".join(loc) or None).body(), status_code=400)
+    return _error_response(validation_error(exc.errors()))
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException):
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return _error_response(OpenAIError(str(exc.detail), status=exc.status_code, type_=kind))
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=256)
@@ -96,7 +114,10 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest):
         self._check_common(body)
         if isinstance(body.prompt, str):
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=True)
+            try:
+                ids = self.tokenizer.encode(body.prompt, add_special_tokens=True)
+            except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates: the client's input
+                raise OpenAIError(f"could not tokenize the prompt: {exc}", param="prompt") from exc
         else:
             ids = list(body.prompt)
             vocab = len(self.tokenizer)

@@ -26,6 +26,20 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def validation_error(errors: list[dict]) -> OpenAIError:
+    """Turn FastAPI/pydantic validation errors into one OpenAI-style 400 naming the first problem."""
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        pos = loc[0] if loc else "?"
+        return OpenAIError(f"the request body is not valid JSON (error at character {pos})")
+    if not loc and kind in ("model_attributes_type", "dict_type"):
+        return OpenAIError("the request body must be a JSON object (send Content-Type: application/json)")
+    where = ".".join(loc)
+    return OpenAIError(f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -47,10 +61,21 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class _SamplingFields(BaseModel):
-    """Fields chat and completions share (OpenAI names; ``top_k``/``ignore_eos``/``stop_token_ids`` as in vLLM)."""
+UNSUPPORTED_EXTRAS = (
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+    "logit_bias", "top_logprobs", "echo", "suffix", "repetition_penalty", "min_p", "min_tokens",
+)
+"""OpenAI/vLLM parameters we do not honour yet: a request that sets one gets a 400 naming it."""
 
-    model_config = ConfigDict(extra="ignore")
+
+class _SamplingFields(BaseModel):
+    """Fields chat and completions share (OpenAI names; ``top_k``/``ignore_eos``/``stop_token_ids`` as in vLLM).
+
+    Unknown fields are kept (``model_extra``) so that :meth:`unsupported` can name
+    the ones we cannot honour; other unknown fields (``store``, ``metadata``) are ignored.
+    """
+
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -58,7 +83,7 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     n: int = Field(1, ge=1, le=16)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -80,21 +105,27 @@ class _SamplingFields(BaseModel):
         return stops
 
     def unsupported(self) -> list[str]:
-        """Names of parameters set to values this build cannot honour yet."""
+        """Names of parameters set to values this build cannot honour yet (rejected with a 400)."""
         bad = []
-        if self.logprobs not in (None, False):
+        if self.logprobs is not None and self.logprobs is not False:
             bad.append("logprobs")
         if self.presence_penalty:
             bad.append("presence_penalty")
         if self.frequency_penalty:
             bad.append("frequency_penalty")
+        extra = self.model_extra or {}
+        for name in UNSUPPORTED_EXTRAS:
+            value = extra.get(name)
+            if value not in (None, [], {}, False) and not (name == "response_format" and value == {"type": "text"}):
+                bad.append(name)
+        if extra.get("best_of") not in (None, 1):
+            bad.append("best_of")
         return bad
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = None
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -102,7 +133,6 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
-    echo: bool = False
 
     @field_validator("prompt")
     @classmethod

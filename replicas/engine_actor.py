@@ -74,7 +74,7 @@ class EngineActor:
             except (PersistentDecoderError, CheckpointError) as exc:
                 if self.mode is Mode.REQUIRED:
                     raise PersistentDecoderLoadError(
-                        f"--persistent-decoder required, but the persistent decoder could not be loaded: {exc}"
+                        f"persistent-decoder=required, but the persistent decoder could not be loaded: {exc}"
                     ) from exc
                 logger.warning("persistent decoder unavailable (%s); requests will fall back", exc)
                 error = f"{exc.reason}: {exc}"

@@ -173,3 +173,28 @@ def test_client_disconnect_aborts_and_frees_pages(server, temperature, lane):
     assert_pages_returned(server, timeout=8.0)
     # 900 tokens would take far longer than this on CPU: the request was aborted
     assert time.monotonic() - start < 8.0
+
+
+@pytest.mark.parametrize("path,kwargs,status,needle", [
+    ("/v1/chat/completions", {"content": b'{"model": "m", "messages": [}',
+                              "headers": {"content-type": "application/json"}}, 400, "not valid JSON"),
+    ("/v1/chat/completions", {"content": b"model=m", "headers": {"content-type": "text/plain"}}, 400, "JSON object"),
+    ("/v1/chat/completions", {"json": {"model": "\ud800", "messages": FRANCE}}, 404, "does not exist"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": "hi \ud800 there", "max_tokens": 2}}, 400, "tokenize"),
+    ("/v1/chat/completions", {"json": {"model": MODEL, "messages": FRANCE, "seed": 10**30}}, 400, "seed"),
+    ("/v1/chat/completions", {"json": {"model": MODEL, "messages": FRANCE, "tools": [{"type": "function"}]}},
+     400, "tools"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": "hi", "logprobs": 0}}, 400, "logprobs"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": "hi", "echo": True}}, 400, "echo"),
+    ("/v1/no-such-endpoint", {"json": {}}, 404, "Not Found"),
+])
+def test_malformed_http_gets_openai_error(server, path, kwargs, status, needle):
+    import json
+
+    if "json" in kwargs:  # lone surrogates must go over the wire as JSON escapes
+        kwargs = {"content": json.dumps(kwargs["json"]).encode(), "headers": {"content-type": "application/json"}}
+    r = httpx.post(f"{server}{path}", timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] or needle == err.get("param"), err
+    assert httpx.get(f"{server}/health").status_code == 200
