@@ -98,12 +98,11 @@ class Router:
                         if isinstance(item, Rejection):
                             rejected = item
                             break
-                        if isinstance(item, GenerationError):
-                            self._fallback(span, item.reason, "postlaunch" if item.stage == "postlaunch" else "prelaunch",
-                                           g.request_id, lane=None)
-                            if item.stage == "postlaunch":
-                                self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
-                        elif item.fallback_reason:
+                        if isinstance(item, GenerationError) and item.stage == "postlaunch":
+                            # terminal for this request: traced, never retried on another lane
+                            self._fallback(span, item.reason, "postlaunch", g.request_id, lane=None)
+                            self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
+                        elif isinstance(item, GenerationChunk) and item.fallback_reason:
                             self._fallback(span, item.fallback_reason, "prelaunch", g.request_id,
                                            lane="persistent", continued_on="reference_decode")
                         yield item

@@ -49,7 +49,7 @@ class IncrementalDetokenizer:
         if safe.endswith("\ufffd"):
             safe = safe.rstrip("\ufffd")
         if self.stop and self._holdback:
-            safe = safe[: max(len(self.text), len(full) - self._holdback)]
+            safe = safe[: max(len(self.text), len(safe) - self._holdback)]
         return self._emit(safe)
 
     def _emit(self, upto: str) -> str:

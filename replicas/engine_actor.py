@@ -39,6 +39,15 @@ def _is_last(item: Item) -> bool:
     return not isinstance(item, GenerationChunk) or item.finish_reason is not None
 
 
+def _post(loop: asyncio.AbstractEventLoop, out: asyncio.Queue, item: Item) -> bool:
+    """Hand ``item`` to the caller's event loop; False if that loop is gone (the output is dropped)."""
+    try:
+        loop.call_soon_threadsafe(out.put_nowait, item)
+        return True
+    except RuntimeError:  # loop closed: nobody is listening any more
+        return False
+
+
 class EngineActor:
     """One replica's engine.
 
@@ -118,18 +127,21 @@ class EngineActor:
     def _persistent_worker(self, g, cancel, loop, out) -> None:
         try:
             for item in self.persistent.generate(g, cancel):
-                loop.call_soon_threadsafe(out.put_nowait, item)
+                if not _post(loop, out, item):
+                    cancel.set()
         except Exception as exc:  # noqa: BLE001 - never leave the caller waiting
             logger.exception("persistent lane failed")
-            loop.call_soon_threadsafe(out.put_nowait, GenerationError(g.request_id, str(exc), "persistent", "engine", "engine_error"))
+            _post(loop, out, GenerationError(g.request_id, str(exc), "persistent", "engine", "engine_error"))
 
     def _engine_loop(self) -> None:
         sinks: dict[str, tuple] = {}
 
         def deliver(rid: str, item: Item) -> None:
             loop, out = sinks[rid]
-            loop.call_soon_threadsafe(out.put_nowait, item)
-            if _is_last(item):
+            if not _post(loop, out, item):  # the caller's loop is gone: drop the request
+                self.engine.abort(rid)
+                del sinks[rid]
+            elif _is_last(item):
                 del sinks[rid]
 
         while True:

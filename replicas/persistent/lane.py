@@ -94,6 +94,11 @@ class PersistentLane:
         self, g: GenerateRequest, cancel: threading.Event | None = None
     ) -> Iterator[GenerationChunk | Rejection | GenerationError]:
         """Serve one request; yields a Rejection, or chunks, or chunks then an error."""
+        try:
+            self.core.validate_prompt(g.prompt_token_ids, g.params.max_tokens)
+        except ValueError as exc:
+            yield GenerationError(g.request_id, str(exc), LANE, stage="validation", reason="invalid_request")
+            return
         reason = self._admission(g)
         if reason is not None:
             detail = (self.unhealthy_reason or "") if reason in ("unsupported_envelope", "decoder_unhealthy") else ""

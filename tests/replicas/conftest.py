@@ -98,10 +98,24 @@ def small_core(core: EngineCore, num_kv_blocks: int, max_model_len: int) -> Engi
     )
 
 
+TORCH_THREADS = 1
+"""One intra-op thread: on a shared 2-core machine, torch's default 2 OpenMP threads spin against
+other processes and a decode step slows down up to 30x; one thread keeps the suite's time stable."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads():
+    """Run this folder's tests (our engine and the transformers reference) on TORCH_THREADS threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(TORCH_THREADS)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def core() -> EngineCore:
     """The replica engine core (SmolLM2-135M-Instruct, fp32 on CPU), loaded once."""
-    return EngineCore.load(EngineConfig(model=MODEL, progress=False))
+    return EngineCore.load(EngineConfig(model=MODEL, progress=False, torch_threads=TORCH_THREADS))
 
 
 @pytest.fixture(scope="session")

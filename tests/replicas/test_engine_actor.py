@@ -1,0 +1,180 @@
+"""EngineActor as a plain class (no Ray): async streaming on both lanes, startup modes, abandonment."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from replicas.config import EngineConfig
+from replicas.engine_actor import EngineActor, PersistentDecoderLoadError
+from replicas.messages import GenerationChunk, GenerationError, Rejection
+from replicas.request import SamplingParams
+from tests.replicas.conftest import (
+    MODEL,
+    PROMPTS,
+    TORCH_THREADS,
+    chat_ids,
+    greedy_request,
+    tokens_of,
+)
+
+CONFIG = EngineConfig(model=MODEL, progress=False, max_model_len=1536, torch_threads=TORCH_THREADS)
+SIXTEEN = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=1400, temperature=0.0, ignore_eos=True)  # runs far longer than the tests wait
+
+
+async def _collect(agen) -> list:
+    return [item async for item in agen]
+
+
+async def _abandon_after(actor: EngineActor, g, n: int, timeout_s: float = 8.0):
+    """Read ``n`` items, walk away (break + aclose), then poll stats until the pages are back."""
+    agen = actor.generate(g)
+    got = []
+    async for item in agen:
+        got.append(item)
+        if len(got) == n:
+            break
+    during = await actor.stats()
+    await agen.aclose()
+    deadline = time.monotonic() + timeout_s
+    after = await actor.stats()
+    while time.monotonic() < deadline and not (after["kv_pages_free"] == after["kv_pages_total"] and after["running"] == 0):
+        await asyncio.sleep(0.05)
+        after = await actor.stats()
+    return got, during, after
+
+
+@pytest.fixture(scope="module")
+def standard_actor():
+    return EngineActor(CONFIG, lane="standard")
+
+
+@pytest.fixture(scope="module")
+def persistent_actor():
+    return EngineActor(CONFIG, lane="persistent", mode="auto", backend="eager")
+
+
+def test_unknown_lane_is_refused_before_loading():
+    with pytest.raises(ValueError, match="lane must be"):
+        EngineActor(CONFIG, lane="fast")
+
+
+def test_standard_actor_streams_greedy_tokens_for_concurrent_requests(standard_actor, tokenizer, hf_greedy):
+    ids = [chat_ids(tokenizer, p) for p in PROMPTS[:3]]
+
+    async def scenario():
+        ready = await standard_actor.ready()
+        results = await asyncio.gather(*(
+            _collect(standard_actor.generate(greedy_request(f"s{i}", x, SIXTEEN))) for i, x in enumerate(ids)
+        ))
+        return ready, results, await standard_actor.stats()
+
+    ready, results, stats = asyncio.run(scenario())
+    assert ready["lane"] == "standard" and ready["max_model_len"] == 1536 and ready["model"] == MODEL
+    for x, items in zip(ids, results, strict=True):
+        assert all(isinstance(i, GenerationChunk) and i.lane == "standard" for i in items)
+        assert tokens_of(items) == hf_greedy(x, 16, ignore_eos=True)
+        assert [i.finish_reason for i in items] == [None] * 15 + ["length"]
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+    assert stats["running"] == stats["waiting"] == 0
+
+
+def test_standard_actor_reports_an_invalid_prompt_as_an_error(standard_actor):
+    items = asyncio.run(_collect(standard_actor.generate(greedy_request("empty", [], SIXTEEN))))
+    assert len(items) == 1 and isinstance(items[0], GenerationError)
+    assert (items[0].stage, items[0].reason, items[0].lane) == ("validation", "invalid_request", "standard")
+    assert "empty" in items[0].message
+
+
+def test_persistent_actor_streams_quanta(persistent_actor, tokenizer, hf_greedy):
+    ids = chat_ids(tokenizer, PROMPTS[3])
+
+    async def scenario():
+        return await persistent_actor.ready(), await _collect(persistent_actor.generate(greedy_request("p", ids, SIXTEEN)))
+
+    ready, items = asyncio.run(scenario())
+    assert ready["lane"] == "persistent" and ready["decoder_healthy"] is True and ready["backend"] == "eager"
+    assert all(isinstance(i, GenerationChunk) and i.lane == "persistent" for i in items)
+    assert tokens_of(items) == hf_greedy(ids, 16, ignore_eos=True)
+    assert [len(i.token_ids) for i in items] == [1, 8, 7]
+    stats = asyncio.run(persistent_actor.stats())
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["running"] == 0
+
+
+def test_persistent_actor_passes_a_rejection_through(persistent_actor, tokenizer):
+    g = greedy_request("hot", chat_ids(tokenizer, PROMPTS[0]), SamplingParams(max_tokens=8, temperature=0.7))
+    items = asyncio.run(_collect(persistent_actor.generate(g)))
+    assert len(items) == 1 and isinstance(items[0], Rejection) and items[0].reason == "non_greedy"
+
+
+def test_persistent_actor_runs_one_request_at_a_time(persistent_actor, tokenizer):
+    ids = chat_ids(tokenizer, PROMPTS[2])
+
+    async def scenario():
+        first = persistent_actor.generate(greedy_request("busy-1", ids, LONG))
+        head = await first.__anext__()  # the lane is now busy with the first request
+        second = await _collect(persistent_actor.generate(greedy_request("busy-2", ids, SIXTEEN)))
+        await first.aclose()
+        deadline = time.monotonic() + 8.0  # wait (in this loop) for the worker to stop and free pages
+        while (await persistent_actor.stats())["running"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return head, second, await persistent_actor.stats()
+
+    head, second, stats = asyncio.run(scenario())
+    assert isinstance(head, GenerationChunk) and len(head.token_ids) == 1
+    assert len(second) == 1 and isinstance(second[0], Rejection) and second[0].reason == "queued_work"
+    assert stats["running"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_abandoned_standard_stream_frees_its_pages(standard_actor, tokenizer):
+    g = greedy_request("gone", chat_ids(tokenizer, PROMPTS[1]), LONG)
+    got, during, after = asyncio.run(_abandon_after(standard_actor, g, 2))
+    assert len(got) == 2 and all(isinstance(i, GenerationChunk) and i.finish_reason is None for i in got)
+    assert during["kv_pages_free"] < during["kv_pages_total"]  # the request held pages while streaming
+    assert after["kv_pages_free"] == after["kv_pages_total"], after
+    assert after["running"] == after["waiting"] == 0
+
+
+def test_abandoned_persistent_stream_frees_its_pages(persistent_actor, tokenizer):
+    g = greedy_request("gone-p", chat_ids(tokenizer, PROMPTS[1]), LONG)
+    got, during, after = asyncio.run(_abandon_after(persistent_actor, g, 2))
+    assert [len(i.token_ids) for i in got] == [1, 8]
+    assert during["kv_pages_free"] < during["kv_pages_total"]
+    assert after["kv_pages_free"] == after["kv_pages_total"], after
+    assert after["running"] == 0 and after["decoder_healthy"] is True
+
+
+def test_required_mode_with_a_missing_checkpoint_refuses_to_start(tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+    with pytest.raises(PersistentDecoderLoadError) as exc:
+        EngineActor(CONFIG, lane="persistent", mode="required", backend="eager", checkpoint=str(missing))
+    assert str(missing) in str(exc.value)
+    assert "required" in str(exc.value)
+
+
+@pytest.fixture(scope="module")
+def missing_checkpoint(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt") / "missing"
+
+
+def test_auto_mode_with_a_missing_checkpoint_rejects_every_request(missing_checkpoint, tokenizer):
+    """auto: the replica starts; its lane is unhealthy and rejects with ``unsupported_envelope``
+    (the router then falls back), the rejection's detail naming the checkpoint problem."""
+    actor = EngineActor(CONFIG, lane="persistent", mode="auto", backend="eager", checkpoint=str(missing_checkpoint))
+    stats = asyncio.run(actor.stats())
+    assert stats["decoder_healthy"] is False and stats["backend"] is None
+    assert stats["unhealthy_reason"].startswith("checkpoint_invalid")
+    g = greedy_request("x", chat_ids(tokenizer, PROMPTS[0]), SIXTEEN)
+    items = asyncio.run(_collect(actor.generate(g)))
+    assert len(items) == 1 and isinstance(items[0], Rejection), items
+    rejection = items[0]
+    assert (rejection.reason, rejection.lane, rejection.stage) == ("unsupported_envelope", "persistent", "prelaunch")
+    assert rejection.detail.startswith("checkpoint_invalid") and str(missing_checkpoint) in rejection.detail
+    # request-level reasons still come first
+    hot = greedy_request("hot", g.prompt_token_ids, SamplingParams(max_tokens=8, temperature=0.7))
+    assert [i.reason for i in asyncio.run(_collect(actor.generate(hot)))] == ["non_greedy"]
+    stats = asyncio.run(actor.stats())
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["quanta_run"] == 0
