@@ -54,7 +54,13 @@ class _EngineReplica:
                 ray.cancel(stream)
 
     async def stats(self) -> dict:
-        return await self.actor.stats.remote()
+        """The engine's stats plus where it runs: the replica's and the actor's placement groups."""
+        pg = get_current_placement_group()
+        return {
+            **(await self.actor.stats.remote()),
+            "replica_placement_group_id": pg.id.hex() if pg else None,
+            "engine_placement_group_id": self.info.get("placement_group_id"),
+        }
 
     async def check_health(self) -> None:
         stats = await self.actor.stats.remote()

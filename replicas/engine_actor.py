@@ -39,6 +39,16 @@ def _is_last(item: Item) -> bool:
     return not isinstance(item, GenerationChunk) or item.finish_reason is not None
 
 
+def _placement_group_id() -> str | None:
+    """Hex id of the placement group this actor runs in (None outside Ray or outside a group)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_placement_group_id() if ray.is_initialized() else None
+    except ImportError:
+        return None
+
+
 def _post(loop: asyncio.AbstractEventLoop, out: asyncio.Queue, item: Item) -> bool:
     """Hand ``item`` to the caller's event loop; False if that loop is gone (the output is dropped)."""
     try:
@@ -94,6 +104,7 @@ class EngineActor:
         return {
             "lane": self.lane_name, "model": self.core.config.name,
             "max_model_len": self.core.config.max_model_len, "device": str(self.core.runner.device),
+            "placement_group_id": _placement_group_id(),
             **(await self.stats()),
         }
 

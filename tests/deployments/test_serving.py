@@ -198,3 +198,14 @@ def test_malformed_http_gets_openai_error(server, path, kwargs, status, needle):
     err = r.json()["error"]
     assert needle in err["message"] or needle == err.get("param"), err
     assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_each_engine_actor_runs_in_its_replicas_placement_group(server):
+    from tests.deployments.conftest import pool_stats
+
+    stats = pool_stats(server)
+    for lane in ("standard", "persistent"):
+        s = stats[lane]
+        assert s["replica_placement_group_id"], s
+        assert s["engine_placement_group_id"] == s["replica_placement_group_id"], s
+    assert stats["standard"]["replica_placement_group_id"] != stats["persistent"]["replica_placement_group_id"]
