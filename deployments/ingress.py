@@ -155,7 +155,7 @@ class OpenAIIngress:
                 stop=tuple(body.stop or ()), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
             )
             rid = base if body.n == 1 else f"{base}-{i}"
-            out.append(GenerateRequest(rid, ids, params, logprobs=False, num_sequences=body.n))
+            out.append(GenerateRequest(rid, ids, params))
         return out
 
     async def _serve(self, body, ids: list[int], chat: bool):

@@ -21,9 +21,8 @@ class GenerateRequest:
     Attributes:
         request_id: unique id (also the trace's request id).
         prompt_token_ids: the tokenized prompt (chat template applied).
-        params: sampling parameters.
-        logprobs: the client asked for logprobs (not on the persistent lane).
-        num_sequences: the client's ``n`` (the ingress fans ``n > 1`` out).
+        params: sampling parameters (``params.n`` completions; the standard
+            lane streams chunks of all of them, told apart by ``index``).
         has_stop_token_sequences: multi-token stop sequences were given.
         kv_transfer: disaggregated-serving KV transfer was requested.
     """
@@ -31,10 +30,31 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    logprobs: bool = False
-    num_sequences: int = 1
     has_stop_token_sequences: bool = False
     kv_transfer: bool = False
+
+    @property
+    def num_sequences(self) -> int:
+        return self.params.n
+
+    @property
+    def logprobs(self) -> bool:
+        return self.params.logprobs is not None
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities for one generated token (natural log, from the raw logits).
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: its log-probability.
+        top: the ``k`` most likely ``(token_id, logprob)`` pairs, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -57,6 +77,10 @@ class GenerationChunk:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     lane: str = "standard"
+    index: int = 0
+    """Which of the request's ``n`` completions this chunk belongs to."""
+    logprobs: list[TokenLogprobs] | None = None
+    """Per token in ``token_ids`` when the request asked for logprobs."""
     fallback_reason: str | None = None
     """Set on the chunk where a persistent request continued without its decoder (prelaunch error mid-request)."""
 

@@ -22,6 +22,18 @@ class SamplingParams:
         stop: stop strings; the matched text is not returned.
         stop_token_ids: extra token ids that end generation (kept in the output ids).
         ignore_eos: keep going past EOS ids.
+        n: independent completions of the same prompt (share the prompt's KV pages).
+        min_p: drop tokens whose probability is below ``min_p`` x the top
+            token's (Nguyen et al. 2024, "min-p sampling"); 0 disables.
+        presence_penalty / frequency_penalty: OpenAI's additive penalties over
+            the tokens generated so far: ``logit -= presence * [count > 0] + frequency * count``.
+        repetition_penalty: CTRL's multiplicative penalty (Keskar et al. 2019)
+            over prompt and output tokens: positive logits are divided by it,
+            negative ones multiplied; 1 disables.
+        min_tokens: EOS and ``stop_token_ids`` are masked, and stop strings not
+            checked, until this many tokens were generated.
+        logprobs: None for no logprobs; k >= 0 to return the sampled token's
+            log-probability plus the k most likely tokens' (from the raw logits).
     """
 
     max_tokens: int = 16
@@ -32,6 +44,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -42,6 +61,22 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def is_greedy(self) -> bool:

@@ -365,8 +365,8 @@ def test_prelaunch_error_mid_request_falls_back_with_identical_tokens(core, toke
     [
         (SamplingParams(max_tokens=8, temperature=0.7), {}, "non_greedy"),
         (SamplingParams(max_tokens=8, temperature=1.0, top_k=5), {}, "non_greedy"),
-        (SamplingParams(max_tokens=8, temperature=0.0), {"num_sequences": 2}, "unsupported_decode_batch"),
-        (SamplingParams(max_tokens=8, temperature=0.0), {"logprobs": True}, "logprobs"),
+        (SamplingParams(max_tokens=8, temperature=0.0, n=2), {}, "unsupported_decode_batch"),
+        (SamplingParams(max_tokens=8, temperature=0.0, logprobs=0), {}, "logprobs"),
         (SamplingParams(max_tokens=8, temperature=0.0, stop=("\n",)), {}, "stop_strings"),
         (SamplingParams(max_tokens=8, temperature=0.0), {"has_stop_token_sequences": True}, "stop_token_sequences"),
         (SamplingParams(max_tokens=8, temperature=0.0), {"kv_transfer": True}, "kv_transfer"),
