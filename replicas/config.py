@@ -28,6 +28,12 @@ class EngineConfig(BaseModel):
     )
     max_num_seqs: int = Field(32, ge=1, description="Most requests decoded together on the standard lane.")
     max_num_batched_tokens: int = Field(4096, ge=16, description="Most new tokens per standard-lane step.")
+    enable_prefix_caching: bool = Field(
+        True, description="Share KV pages of equal prompt prefixes on the standard lane (hash-chained full pages)."
+    )
+    enable_chunked_prefill: bool = Field(
+        True, description="Split long prompts across steps under max_num_batched_tokens, mixed with decodes."
+    )
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's own).")
     progress: bool = Field(True, description="Show progress bars while loading.")
 

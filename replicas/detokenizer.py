@@ -25,17 +25,18 @@ class IncrementalDetokenizer:
         self.text = ""  # everything emitted so far
         self.stopped_on: str | None = None
 
-    def append(self, token_ids: list[int], final: bool = False) -> str:
+    def append(self, token_ids: list[int], final: bool = False, check_stops: bool = True) -> str:
         """Add new token ids; return the text delta that is safe to emit now.
 
         After a stop string is found, ``stopped_on`` is set, the text is cut
-        just before it, and further calls return "".
+        just before it, and further calls return "". With ``check_stops=False``
+        (before ``min_tokens``) stop strings are not looked for in this call's text.
         """
         if self.stopped_on is not None:
             return ""
         self.token_ids.extend(token_ids)
         full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if self.stop:
+        if self.stop and check_stops:
             start = max(0, len(self.text) - self._holdback)
             hits = [(full.find(s, start), s) for s in self.stop]
             hits = [(i, s) for i, s in hits if i >= 0]

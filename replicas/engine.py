@@ -7,19 +7,19 @@ shared with the persistent lane, which lives in ``replicas/persistent/``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from replicas.config import EngineConfig
 from replicas.detokenizer import IncrementalDetokenizer
 from replicas.kv_cache import KVCache, PageAllocator
-from replicas.messages import GenerationChunk
+from replicas.messages import GenerationChunk, TokenLogprobs
 from replicas.model_runner import ModelRunner
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.loader import resolve_model
 from replicas.request import FinishReason, Request, SamplingParams
-from replicas.sampler import make_generator, sample
+from replicas.sampler import SamplingRow, make_generator, sample_rows
 from replicas.scheduler import Scheduler, SchedulerConfig
 from replicas.stops import check_stop
 
@@ -37,8 +37,11 @@ class EngineCore:
     eos_token_ids: frozenset[int]
 
     @classmethod
-    def load(cls, config: EngineConfig) -> EngineCore:
+    def load(cls, config: EngineConfig, enable_prefix_caching: bool | None = None) -> EngineCore:
         """Resolve (and convert once) the model, load weights, allocate the KV cache.
+
+        ``enable_prefix_caching`` overrides ``config.enable_prefix_caching``
+        (the persistent lane runs without it, as MK1 requires).
 
         Raises:
             ModelNotFoundError: the model cannot be found.
@@ -46,6 +49,8 @@ class EngineCore:
         """
         from transformers import AutoTokenizer
 
+        if enable_prefix_caching is None:
+            enable_prefix_caching = config.enable_prefix_caching
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         device, dtype = config.resolved_device(), config.resolved_dtype()
@@ -63,7 +68,8 @@ class EngineCore:
         kv = KVCache(model.config, config.resolved_num_kv_blocks(), dtype, device)
         return cls(
             config=config, model=model, tokenizer=tokenizer, kv_cache=kv,
-            allocator=PageAllocator(kv.num_blocks), runner=ModelRunner(model, kv.planes(), device),
+            allocator=PageAllocator(kv.num_blocks, enable_prefix_caching=enable_prefix_caching),
+            runner=ModelRunner(model, kv.planes(), device),
             eos_token_ids=frozenset(eos),
         )
 
@@ -83,16 +89,21 @@ class EngineCore:
 
 
 class _Tracked:
-    """Per-request bookkeeping of the standard engine."""
+    """Per-sequence bookkeeping of the standard engine (one per choice of an ``n > 1`` request)."""
 
-    __slots__ = ("req", "detok", "generator", "sent_tokens")
+    __slots__ = ("req", "parent_id", "detok", "generator")
 
-    def __init__(self, req: Request, detok: IncrementalDetokenizer, generator):
-        self.req, self.detok, self.generator, self.sent_tokens = req, detok, generator, 0
+    def __init__(self, req: Request, parent_id: str, detok: IncrementalDetokenizer, generator):
+        self.req, self.parent_id, self.detok, self.generator = req, parent_id, detok, generator
 
 
 class LLMEngine:
-    """Continuous-batching engine (the standard lane)."""
+    """Continuous-batching engine (the standard lane).
+
+    ``add_request`` takes a request id and its ``n`` completions run as ``n``
+    sequences (ids ``<id>#<i>``) sharing the prompt's pages through the prefix
+    cache; chunks come back under the request id with ``index = i``.
+    """
 
     lane = "standard"
 
@@ -100,62 +111,101 @@ class LLMEngine:
         cfg = core.config
         self.core = core
         self.scheduler = Scheduler(
-            scheduler_config or SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), core.allocator
+            scheduler_config or SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill),
+            core.allocator,
         )
         self._tracked: dict[str, _Tracked] = {}
+        self._children: dict[str, list[str]] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises ``ValueError`` for a bad prompt or a duplicate id."""
-        if request_id in self._tracked:
+        """Queue a request (``params.n`` sequences). Raises ``ValueError`` for a bad prompt or a duplicate id."""
+        if request_id in self._children:
             raise ValueError(f"duplicate request id {request_id}")
         self.core.validate_prompt(prompt_token_ids, params.max_tokens)
-        req = Request(request_id, list(prompt_token_ids), params)
-        detok = IncrementalDetokenizer(self.core.tokenizer, params.stop)
-        self._tracked[request_id] = _Tracked(req, detok, make_generator(params, self.core.runner.device))
-        self.scheduler.add(req)
+        leader = None
+        children = []
+        for i in range(params.n):
+            p = params if params.n == 1 else replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i
+            )
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(seq_id, list(prompt_token_ids), p, index=i, leader=leader)
+            if leader is None and params.n > 1 and self.core.allocator.enable_prefix_caching:
+                leader = req
+            detok = IncrementalDetokenizer(self.core.tokenizer, p.stop)
+            self._tracked[seq_id] = _Tracked(req, request_id, detok, make_generator(p, self.core.runner.device))
+            children.append(seq_id)
+            self.scheduler.add(req)
+        self._children[request_id] = children
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request and free its pages; False if it is unknown or already done."""
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
+        """Drop a request (all its sequences) and free its pages; False if it is unknown or already done."""
+        children = self._children.pop(request_id, None)
+        if children is None:
             return False
-        self.scheduler.finish(tracked.req)
+        for seq_id in children:
+            tracked = self._tracked.pop(seq_id, None)
+            if tracked is not None:
+                self.scheduler.finish(tracked.req)
         return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[GenerationChunk]:
-        """One engine iteration; returns a chunk per request that produced a token."""
+        """One iteration: schedule → run → postprocess. Returns a chunk per sequence that produced a token."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
         logits = self.core.runner.execute(batch)
-        tracked = [self._tracked[r.request_id] for r, _ in batch]
-        tokens = sample(logits, [t.req.params for t in tracked], [t.generator for t in tracked])
-        return [self._postprocess(t, n, tok) for t, (_, n), tok in zip(tracked, batch, tokens, strict=True)]
+        rows, sampled = [], []
+        for i, (req, n) in enumerate(batch):
+            self.scheduler.commit_computed(req, n)
+            if req.num_computed_tokens == req.num_tokens:  # prompt done (or decoding): sample
+                sampled.append(i)
+                rows.append(self._sampling_row(self._tracked[req.request_id]))
+        if not sampled:
+            return []
+        out = sample_rows(logits[sampled], rows)
+        chunks = []
+        for j, i in enumerate(sampled):
+            tracked = self._tracked[batch[i][0].request_id]
+            chunks.append(self._postprocess(tracked, out.token_ids[j], out.logprobs[j]))
+        return chunks
 
-    def _postprocess(self, t: _Tracked, num_new: int, token: int) -> GenerationChunk:
+    def _sampling_row(self, t: _Tracked) -> SamplingRow:
+        req, p = t.req, t.req.params
+        banned: frozenset[int] = frozenset()
+        if req.num_output_tokens < p.min_tokens:
+            banned = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.core.eos_token_ids)
+        return SamplingRow(p, t.generator, req.prompt_token_ids, req.output_token_ids, banned)
+
+    def _postprocess(self, t: _Tracked, token: int, logprobs: TokenLogprobs | None) -> GenerationChunk:
         req = t.req
-        req.num_computed_tokens += num_new
         req.output_token_ids.append(token)
+        past_min = req.num_output_tokens >= req.params.min_tokens
         finish = check_stop(req, self.core.eos_token_ids, self.core.config.max_model_len)
-        text = t.detok.append([token], final=finish is not None)
+        text = t.detok.append([token], final=finish is not None, check_stops=past_min)
         if t.detok.stopped_on is not None:
             finish = FinishReason.STOP
         chunk = GenerationChunk(
-            request_id=req.request_id, token_ids=[token], text=text,
+            request_id=t.parent_id, token_ids=[token], text=text,
             finish_reason=finish.value if finish else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens, lane=self.lane,
+            index=req.index, logprobs=[logprobs] if logprobs is not None else None,
         )
         if finish is not None:
             self.scheduler.finish(req)
             del self._tracked[req.request_id]
+            siblings = self._children.get(t.parent_id, [])
+            if all(s not in self._tracked for s in siblings):
+                self._children.pop(t.parent_id, None)
         return chunk
 
     def stats(self) -> dict:
         a = self.core.allocator
         return {
             "lane": self.lane, "kv_pages_total": a.num_blocks, "kv_pages_free": a.num_free,
-            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "kv_pages_cached": a.num_cached, "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting), "num_preemptions": self.scheduler.num_preemptions,
         }

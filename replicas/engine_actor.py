@@ -78,7 +78,8 @@ class EngineActor:
             raise ValueError(f"lane must be 'standard' or 'persistent', got {lane!r}")
         self.lane_name = lane
         self.mode = Mode.parse(mode)
-        self.core = EngineCore.load(config)
+        # the persistent lane runs without prefix caching (MK1's envelope requires it off)
+        self.core = EngineCore.load(config, enable_prefix_caching=None if lane == "standard" else False)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self.persistent: PersistentLane | None = None
@@ -123,10 +124,13 @@ class EngineActor:
         else:
             self._inbox.put(("add", g, loop, out))
             self._wakeup.set()
+        open_choices = g.params.n if self.persistent is None else 1
         try:
             while not done:
                 item = await out.get()
-                done = _is_last(item)
+                if _is_last(item):
+                    open_choices -= 1
+                    done = open_choices == 0 or not isinstance(item, GenerationChunk)
                 yield item
         finally:
             if not done:  # the caller went away: stop the work and free its pages
@@ -147,13 +151,18 @@ class EngineActor:
     def _engine_loop(self) -> None:
         sinks: dict[str, tuple] = {}
 
+        open_choices: dict[str, int] = {}
+
         def deliver(rid: str, item: Item) -> None:
             loop, out = sinks[rid]
             if not _post(loop, out, item):  # the caller's loop is gone: drop the request
                 self.engine.abort(rid)
                 del sinks[rid]
             elif _is_last(item):
-                del sinks[rid]
+                open_choices[rid] = open_choices.get(rid, 1) - 1
+                if open_choices[rid] <= 0 or not isinstance(item, GenerationChunk):
+                    del sinks[rid]
+                    open_choices.pop(rid, None)
 
         while True:
             while True:
@@ -163,6 +172,7 @@ class EngineActor:
                     break
                 if op == "add":
                     sinks[arg.request_id] = (loop, out)
+                    open_choices[arg.request_id] = arg.params.n
                     try:
                         self.engine.add_request(arg.request_id, arg.prompt_token_ids, arg.params)
                     except ValueError as exc:
@@ -170,6 +180,7 @@ class EngineActor:
                 elif op == "abort":
                     self.engine.abort(arg)
                     sinks.pop(arg, None)
+                    open_choices.pop(arg, None)
             if not self.engine.has_unfinished():
                 self._wakeup.wait()
                 self._wakeup.clear()

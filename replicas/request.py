@@ -119,6 +119,15 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    index: int = 0
+    """Which of the parent request's ``n`` completions this is."""
+    leader: Request | None = None
+    """For ``n > 1``: the sibling whose prefill the others wait for, to share its prompt pages."""
+    page_hashes: list[bytes] = field(default_factory=list)
+    """Prefix-cache hashes of this request's full pages whose KV is computed."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at (last) admission."""
+    num_preemptions: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -140,6 +149,11 @@ class Request:
     def num_new_tokens(self) -> int:
         """Tokens to feed in the next forward (prompt remainder, or the last sampled token)."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def prefill_done(self) -> bool:
+        """The prompt's KV is computed (decode has started or can start)."""
+        return self.num_computed_tokens >= self.num_prompt_tokens
 
     @property
     def remaining_output_tokens(self) -> int:

@@ -1,14 +1,47 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: logprobs, bans, penalties, greedy, temperature, top-k, top-p, min-p, seeds.
 
-Logits are ``[B, vocab]`` fp32; one ``SamplingParams`` (and optional
-``torch.Generator``) per row. Greedy rows take ``argmax`` and never touch an RNG.
+One call picks one token per row of a ``[B, vocab]`` fp32 logits tensor, each
+row with its own :class:`~replicas.request.SamplingParams`, optional
+``torch.Generator`` and token history (:class:`SamplingRow`).
+
+Pipeline (vLLM's order), per row, in :func:`sample_rows`:
+
+1. **logprobs** (rows with ``params.logprobs`` set): ``log_softmax`` of the
+   *raw* model logits, before anything below (vLLM's default
+   ``logprobs_mode="raw_logprobs"``); the sampled token's value plus the
+   ``k = params.logprobs`` most likely ``(token_id, logprob)``.
+2. **bans**: ``banned_token_ids`` are set to ``-inf`` (the engine bans EOS and
+   stop ids while fewer than ``min_tokens`` were generated, see
+   :func:`min_tokens_banned_ids`).
+3. **repetition penalty** over prompt + output tokens (CTRL, Keskar et al.
+   2019; HF ``RepetitionPenaltyLogitsProcessor``).
+4. **presence / frequency penalties** over output tokens only (OpenAI API).
+5. **greedy** rows (``params.is_greedy``) take ``argmax`` here; they never
+   touch an RNG.
+6. **temperature** ``logits / T``.
+7. **top-k**, then **top-p** (nucleus, Holtzman et al. 2019) on the top-k
+   renormalised distribution.
+8. **min-p** (Nguyen et al. 2024) on the temperature-scaled, filtered
+   distribution.
+9. **multinomial** draw with the row's generator (the global RNG when None).
+
+Rows that need none of steps 2-9 (greedy, no bans, no penalties) take the
+fast path: one ``argmax`` over the whole batch. Steps 2-8 are batched over the
+rows that use them (scatter/gather masks, one sort); only the draw in step 9
+loops over rows that carry their own generator.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
 import torch
 
+from replicas.messages import TokenLogprobs
 from replicas.request import SamplingParams
+
+_NEG_INF = float("-inf")
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -20,25 +53,359 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return gen
 
 
+def min_tokens_banned_ids(
+    params: SamplingParams, num_output_tokens: int, eos_token_ids: Iterable[int]
+) -> frozenset[int]:
+    """The ids to ban for the next token so that ``params.min_tokens`` holds.
+
+    While fewer than ``min_tokens`` tokens were generated, every token that
+    would end generation is banned: ``params.stop_token_ids`` and, unless
+    ``params.ignore_eos``, the model's EOS ids (vLLM's ``min_tokens`` rule).
+    Empty once ``num_output_tokens >= min_tokens``.
+    """
+    if num_output_tokens >= params.min_tokens:
+        return frozenset()
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(eos_token_ids)
+    return frozenset(ids)
+
+
+@dataclass
+class SamplingRow:
+    """Everything the sampler needs about one row of the logits.
+
+    Attributes:
+        params: the request's sampling parameters.
+        generator: the request's seeded RNG (see :func:`make_generator`), or
+            None for the global RNG. Unused by greedy rows.
+        prompt_token_ids: the prompt (repetition penalty only).
+        output_token_ids: tokens generated so far (all penalties).
+        banned_token_ids: ids masked to ``-inf`` before anything else; ids
+            outside ``[0, vocab)`` are ignored (they cannot be sampled anyway).
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    banned_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def uses_repetition_penalty(self) -> bool:
+        return self.params.repetition_penalty != 1.0 and bool(self.prompt_token_ids or self.output_token_ids)
+
+    @property
+    def uses_additive_penalties(self) -> bool:
+        p = self.params
+        return bool(p.presence_penalty or p.frequency_penalty) and bool(self.output_token_ids)
+
+    @property
+    def needs_processing(self) -> bool:
+        """False when plain ``argmax`` of the raw logits is this row's answer (the fast path)."""
+        return (
+            not self.params.is_greedy
+            or bool(self.banned_token_ids)
+            or self.uses_repetition_penalty
+            or self.uses_additive_penalties
+        )
+
+
+@dataclass
+class SamplerOutput:
+    """What :func:`sample_rows` picked.
+
+    Attributes:
+        token_ids: one token id per row.
+        logprobs: per row a :class:`TokenLogprobs` (from the raw logits), or
+            None for rows whose ``params.logprobs`` is None.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+# --- batched building blocks ---------------------------------------------------------------
+#
+# All take and return ``[R, vocab]`` float tensors (R rows of the subset that
+# uses the feature) and never modify their input.
+
+
+def _index_pairs(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_idx, token_idx)`` int64 ``[N]`` tensors: row ``j`` paired with each token of ``seqs[j]``."""
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(seqs)), lengths)
+    toks = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+    return rows.to(device), toks.to(device)
+
+
+def apply_bans(logits: torch.Tensor, banned: Sequence[Iterable[int]]) -> torch.Tensor:
+    """Set ``logits[j, t] = -inf`` for every ``t`` in ``banned[j]`` (ids outside the vocab are skipped)."""
+    vocab = logits.shape[-1]
+    rows, toks = _index_pairs([[t for t in b if 0 <= t < vocab] for b in banned], logits.device)
+    return logits.index_put((rows, toks), torch.tensor(_NEG_INF, dtype=logits.dtype, device=logits.device))
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, token_ids: Sequence[Sequence[int]], penalties: Sequence[float]
+) -> torch.Tensor:
+    """CTRL's repetition penalty over the tokens already seen (prompt and output).
+
+    For every token ``t`` in ``token_ids[j]`` (counted once however often it
+    appears), with ``θ = penalties[j]``::
+
+        logit[j, t] = logit[j, t] / θ   if logit[j, t] > 0
+                      logit[j, t] * θ   otherwise
+
+    so ``θ > 1`` always makes a seen token less likely, whatever its sign.
+
+    Sources: Keskar et al. 2019, "CTRL: A Conditional Transformer Language
+    Model for Controllable Generation", Sec. 4.1 (penalised sampling; the
+    sign-aware form is HF ``RepetitionPenaltyLogitsProcessor``'s, which vLLM
+    follows).
+    """
+    rows, toks = _index_pairs(token_ids, logits.device)
+    seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    seen[rows, toks] = True
+    theta = torch.tensor(penalties, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / theta, logits * theta)
+    return torch.where(seen, penalised, logits)
+
+
+def apply_presence_frequency_penalties(
+    logits: torch.Tensor,
+    output_token_ids: Sequence[Sequence[int]],
+    presence: Sequence[float],
+    frequency: Sequence[float],
+) -> torch.Tensor:
+    """OpenAI's additive penalties over the tokens generated so far.
+
+    With ``c[t]`` the number of times ``t`` occurs in ``output_token_ids[j]``::
+
+        logit[j, t] -= frequency[j] * c[t] + presence[j] * (c[t] > 0)
+
+    Prompt tokens are not counted. Positive values discourage repetition,
+    negative ones encourage it (the API accepts ``[-2, 2]``).
+
+    Source: OpenAI API reference / "Parameter details" for
+    ``presence_penalty`` and ``frequency_penalty``
+    (``mu[j] -> mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence``).
+    """
+    rows, toks = _index_pairs(output_token_ids, logits.device)
+    counts = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
+    counts.index_put_((rows, toks), torch.ones(rows.shape, dtype=logits.dtype, device=logits.device), accumulate=True)
+    freq = torch.tensor(frequency, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    pres = torch.tensor(presence, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    return logits - (freq * counts + pres * (counts > 0).to(logits.dtype))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: Sequence[int | None] | None, top_p: Sequence[float] | None
+) -> torch.Tensor:
+    """Mask with ``-inf`` every token outside row ``j``'s top-k set, then outside its top-p nucleus.
+
+    Args:
+        logits: ``[R, vocab]`` float (already temperature-scaled).
+        top_k: per row ``k`` (None, 0 or ``>= vocab`` disables), or None for no top-k at all.
+        top_p: per row ``p`` in ``(0, 1]`` (1 disables), or None for no top-p at all.
+
+    top-k keeps every token whose logit is ``>=`` the k-th largest (ties with
+    the k-th are kept). top-p (Holtzman et al. 2019, "The Curious Case of
+    Neural Text Degeneration", nucleus sampling) works on the distribution
+    renormalised over the top-k survivors: sorted by probability, a token is
+    dropped when the mass of the tokens before it already reaches ``p``, so
+    the smallest prefix with mass ``>= p`` is kept (always at least one token).
+    """
+    rows, vocab = logits.shape
+    ks = [k if k and k < vocab else vocab for k in top_k] if top_k is not None else None
+    ps = [p if p < 1.0 else float("inf") for p in top_p] if top_p is not None else None
+    if ks is not None and all(k == vocab for k in ks):
+        ks = None
+    if ps is not None and all(p == float("inf") for p in ps):
+        ps = None
+    if ks is None and ps is None:
+        return logits
+    device = logits.device
+    if ps is None:  # top-k alone: a partial top-k is cheaper than a full sort
+        assert ks is not None
+        kmax = max(k for k in ks if k < vocab)  # rows without top-k do not widen the partial sort
+        values = torch.topk(logits, kmax, dim=-1).values
+        kth = values.gather(1, torch.tensor([min(k, kmax) - 1 for k in ks], device=device).unsqueeze(1))
+        off = torch.tensor([k == vocab for k in ks], device=device).unsqueeze(1)
+        kth = kth.masked_fill(off, _NEG_INF)
+        return logits.masked_fill(logits < kth, _NEG_INF)
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    if ks is not None:
+        kth = sorted_logits.gather(1, torch.tensor(ks, device=device).sub(1).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    probs = sorted_logits.softmax(-1)
+    p = torch.tensor(ps, dtype=probs.dtype, device=device).unsqueeze(1)
+    drop = (probs.cumsum(-1) - probs) >= p
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
+    """Drop tokens less likely than ``min_p`` times the most likely one.
+
+    With ``P = softmax(logits[j])`` (the temperature-scaled distribution)::
+
+        keep t  iff  P[t] >= min_p[j] * max(P)
+
+    The ratio ``P[t] / max(P)`` does not change when the distribution is
+    renormalised over a subset containing the top token, so applying this
+    after top-k / top-p keeps exactly the tokens min-p alone would keep among
+    their survivors. The top token always survives.
+
+    Source: Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling for
+    Creative and Coherent LLM Outputs" (arXiv:2407.01082); HF ``MinPLogitsWarper``.
+    """
+    probs = logits.softmax(-1)
+    threshold = torch.tensor(min_p, dtype=probs.dtype, device=logits.device).unsqueeze(1) * probs.amax(-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
-    """Mask ``logits`` ``[vocab]`` outside the top-k set and the top-p nucleus with -inf."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop tokens whose preceding cumulative mass already reaches top_p (keeps at least one)
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
-    return logits
+    """Mask one row ``[vocab]`` outside the top-k set and the top-p nucleus (see :func:`apply_top_k_top_p`)."""
+    return apply_top_k_top_p(logits.unsqueeze(0), [top_k], [top_p]).squeeze(0)
+
+
+# --- the sampler ------------------------------------------------------------------------------
+
+
+def _select(x: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """``x[positions]`` without a copy when ``positions`` is every row in order."""
+    if len(positions) == x.shape[0] and positions == list(range(x.shape[0])):
+        return x
+    return x[positions]
+
+
+def _process_and_pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Steps 2-9 of the module docstring for rows that need them.
+
+    Args:
+        logits: ``[R, vocab]`` fp32, a private copy (never the caller's tensor).
+        rows: the ``R`` rows.
+
+    Returns:
+        ``[R]`` int64 token ids on ``logits.device``.
+    """
+    vocab = logits.shape[-1]
+    x = logits
+    # 2. bans
+    ban = [j for j, r in enumerate(rows) if r.banned_token_ids]
+    if ban:
+        for j in ban:
+            if sum(1 for t in rows[j].banned_token_ids if 0 <= t < vocab) >= vocab:
+                raise ValueError("every token of the vocabulary is banned; nothing can be sampled")
+        x[ban] = apply_bans(x[ban], [rows[j].banned_token_ids for j in ban])
+    # 3. repetition penalty (prompt + output)
+    rep = [j for j, r in enumerate(rows) if r.uses_repetition_penalty]
+    if rep:
+        seen = [list(rows[j].prompt_token_ids) + list(rows[j].output_token_ids) for j in rep]
+        x[rep] = apply_repetition_penalty(x[rep], seen, [rows[j].params.repetition_penalty for j in rep])
+    # 4. presence / frequency (output only)
+    add = [j for j, r in enumerate(rows) if r.uses_additive_penalties]
+    if add:
+        x[add] = apply_presence_frequency_penalties(
+            x[add],
+            [rows[j].output_token_ids for j in add],
+            [rows[j].params.presence_penalty for j in add],
+            [rows[j].params.frequency_penalty for j in add],
+        )
+    # 5. greedy rows: argmax of the banned / penalised logits
+    tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
+    greedy = [j for j, r in enumerate(rows) if r.params.is_greedy]
+    if greedy:
+        tokens[greedy] = _select(x, greedy).argmax(-1)
+    rand = [j for j, r in enumerate(rows) if not r.params.is_greedy]
+    if not rand:
+        return tokens
+    params = [rows[j].params for j in rand]
+    # 6. temperature
+    temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device).unsqueeze(1)
+    y = _select(x, rand) / temps
+    # 7. top-k, then top-p
+    use_k = any(p.top_k and p.top_k < vocab for p in params)
+    use_p = any(p.top_p < 1.0 for p in params)
+    if use_k or use_p:
+        y = apply_top_k_top_p(
+            y, [p.top_k for p in params] if use_k else None, [p.top_p for p in params] if use_p else None
+        )
+    # 8. min-p
+    mp = [i for i, p in enumerate(params) if p.min_p > 0]
+    if mp:
+        y[mp] = apply_min_p(y[mp], [params[i].min_p for i in mp])
+    # 9. draw: unseeded rows in one call on the global RNG, seeded rows one by one
+    probs = y.softmax(-1)
+    drawn = torch.empty(len(rand), dtype=torch.long, device=x.device)
+    unseeded = [i for i, j in enumerate(rand) if rows[j].generator is None]
+    if unseeded:
+        drawn[unseeded] = torch.multinomial(_select(probs, unseeded), 1).squeeze(1)
+    for i, j in enumerate(rand):
+        gen = rows[j].generator
+        if gen is not None:
+            drawn[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    tokens[rand] = drawn
+    return tokens
+
+
+def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+    """Raw-logit logprobs for the rows that asked for them (one batched log_softmax and top-k)."""
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    if not want:
+        return out
+    lp = torch.log_softmax(_select(logits, want).float(), dim=-1)
+    index = torch.tensor(want, dtype=torch.long, device=tokens.device)
+    chosen_ids = tokens.index_select(0, index)
+    chosen = lp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
+    ks = [min(rows[i].params.logprobs or 0, lp.shape[-1]) for i in want]
+    top_v: list[list[float]] = [[] for _ in want]
+    top_i: list[list[int]] = [[] for _ in want]
+    if max(ks) > 0:
+        values, indices = torch.topk(lp, max(ks), dim=-1)
+        top_v, top_i = values.tolist(), indices.tolist()
+    for n, (i, tok) in enumerate(zip(want, chosen_ids.tolist(), strict=True)):
+        k = ks[n]
+        out[i] = TokenLogprobs(
+            token_id=tok, logprob=chosen[n], top=list(zip(top_i[n][:k], top_v[n][:k], strict=True))
+        )
+    return out
+
+
+def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """Pick one token per row (see the module docstring for the pipeline and its sources).
+
+    Args:
+        logits: ``[B, vocab]`` float logits from the model (fp32 expected); not modified.
+        rows: ``B`` rows, ``rows[i]`` describing ``logits[i]``.
+
+    Returns:
+        :class:`SamplerOutput` with ``B`` token ids and ``B`` logprob entries.
+
+    Raises:
+        ValueError: ``logits`` is not ``[len(rows), vocab]``, or a row bans the whole vocabulary.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
+    tokens = logits.argmax(-1)  # the fast path, for every row at once
+    slow = [i for i, r in enumerate(rows) if r.needs_processing]
+    if slow:
+        x = logits[slow].float()  # advanced indexing: a private copy
+        tokens[slow] = _process_and_pick(x, [rows[i] for i in slow])
+    logprobs = _logprobs(logits, rows, tokens)
+    return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
 
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
-    """Pick one token per row.
+    """Pick one token per row, without token history (the original entry point).
+
+    A thin wrapper over :func:`sample_rows` with empty prompt/output histories
+    and no bans, so penalties have nothing to act on; use :func:`sample_rows`
+    for penalties, ``min_tokens`` bans and logprobs.
 
     Args:
         logits: ``[B, vocab]`` fp32.
@@ -48,13 +415,5 @@ def sample(
     Returns:
         ``B`` token ids.
     """
-    out: list[int] = []
-    greedy = logits.argmax(-1).tolist()
-    for i, p in enumerate(params):
-        if p.is_greedy:
-            out.append(greedy[i])
-            continue
-        row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1)
-        out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
-    return out
+    rows = [SamplingRow(p, g, (), ()) for p, g in zip(params, generators, strict=True)]
+    return sample_rows(logits, rows).token_ids

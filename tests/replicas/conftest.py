@@ -82,7 +82,7 @@ def greedy_request(request_id: str, ids: list[int], params: SamplingParams = GRE
     return GenerateRequest(request_id=request_id, prompt_token_ids=list(ids), params=params, **kw)
 
 
-def small_core(core: EngineCore, num_kv_blocks: int, max_model_len: int) -> EngineCore:
+def small_core(core: EngineCore, num_kv_blocks: int, max_model_len: int, prefix_caching: bool = False) -> EngineCore:
     """A real engine core with its own (small) KV cache, sharing ``core``'s loaded weights.
 
     Built from the same parts as :meth:`EngineCore.load` (no doubles), without
@@ -93,7 +93,8 @@ def small_core(core: EngineCore, num_kv_blocks: int, max_model_len: int) -> Engi
     kv = KVCache(core.model.config, num_kv_blocks, core.kv_cache.tensor.dtype, core.runner.device)
     return EngineCore(
         config=cfg, model=core.model, tokenizer=core.tokenizer, kv_cache=kv,
-        allocator=PageAllocator(kv.num_blocks), runner=ModelRunner(core.model, kv.planes(), core.runner.device),
+        allocator=PageAllocator(kv.num_blocks, enable_prefix_caching=prefix_caching),
+        runner=ModelRunner(core.model, kv.planes(), core.runner.device),
         eos_token_ids=core.eos_token_ids,
     )
 

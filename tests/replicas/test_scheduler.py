@@ -95,7 +95,7 @@ def test_waiting_requests_wait_for_pages_in_order():
 
 def test_token_budget_and_max_num_seqs_limit_admission():
     alloc = PageAllocator(16)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16), alloc)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, enable_chunked_prefill=False), alloc)
     reqs = [_req("a", 10), _req("b", 10), _req("c", 40), _req("d", 1)]
     for r in reqs:
         sched.add(r)
@@ -149,3 +149,22 @@ def test_preemption_by_recompute_keeps_greedy_outputs(core):
         assert len(alone) == 24
         assert outputs[f"r{i}"] == alone, f"request r{i} (preempted: {f'r{i}' in preempted})"
     assert_pool_full(small)
+
+
+def test_chunked_prefill_splits_prompts_under_the_token_budget():
+    alloc = PageAllocator(16)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, enable_chunked_prefill=True), alloc)
+    a, b = _req("a", 10), _req("b", 40)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert [(r.request_id, n) for r, n in batch] == [("a", 10), ("b", 6)]
+    a.num_computed_tokens += 10
+    a.output_token_ids.append(7)
+    b.num_computed_tokens += 6  # a prompt chunk: no token sampled
+    batch = sched.schedule()
+    assert [(r.request_id, n) for r, n in batch] == [("a", 1), ("b", 15)]  # decode keeps flowing
+    assert len(b.block_table) == 2
+    for r in (a, b):
+        sched.finish(r)
+    assert alloc.num_free == 16
