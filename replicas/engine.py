@@ -16,8 +16,8 @@ from replicas.detokenizer import IncrementalDetokenizer
 from replicas.kv_cache import KVCache, PageAllocator
 from replicas.messages import GenerationChunk, TokenLogprobs
 from replicas.model_runner import ModelRunner
-from replicas.models.llama import LlamaForCausalLM
 from replicas.models.loader import resolve_model
+from replicas.models.registry import load_model
 from replicas.request import FinishReason, Request, SamplingParams
 from replicas.sampler import SamplingRow, make_generator, sample_rows
 from replicas.scheduler import Scheduler, SchedulerConfig
@@ -55,7 +55,7 @@ class EngineCore:
             torch.set_num_threads(config.torch_threads)
         device, dtype = config.resolved_device(), config.resolved_dtype()
         path = resolve_model(config.model, progress=config.progress)
-        model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device, progress=config.progress)
+        model = load_model(path, dtype=dtype, device=device, progress=config.progress)
         if config.max_model_len > model.config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={config.max_model_len} exceeds the model's "
