@@ -30,6 +30,9 @@ class AdmissionInput:
         temperature: sampling temperature, >= 0.
         top_k: top-k sampling; ``None`` or <= 0 means disabled, 1 means greedy.
         logprobs: the request asks for logprobs.
+        has_logits_processing: the logits are changed before the argmax
+            (presence/frequency/repetition penalties, min_tokens bans): a
+            persistent decoder's plain on-device argmax would pick other tokens.
         has_stop_strings: the request has stop strings.
         has_stop_token_sequences: the request has multi-token stop sequences.
         kv_transfer: the request imports/exports KV cache.
@@ -52,6 +55,7 @@ class AdmissionInput:
     temperature: float = 0.0
     top_k: int | None = None
     logprobs: bool = False
+    has_logits_processing: bool = False
     has_stop_strings: bool = False
     has_stop_token_sequences: bool = False
     kv_transfer: bool = False
@@ -97,6 +101,7 @@ def check_admission(inp: AdmissionInput) -> Reason | None:
         (inp.tokens_per_step != 1, Reason.TOKENS_PER_QUERY),
         (not inp.is_greedy, Reason.NON_GREEDY),
         (inp.logprobs, Reason.LOGPROBS),
+        (inp.has_logits_processing, Reason.LOGITS_PROCESSING),
         (inp.has_stop_strings, Reason.STOP_STRINGS),
         (inp.has_stop_token_sequences, Reason.STOP_TOKEN_SEQUENCES),
         (inp.kv_transfer, Reason.KV_TRANSFER),

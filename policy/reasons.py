@@ -34,6 +34,10 @@ class Reason(str, Enum):
     TOKENS_PER_QUERY = ("tokens_per_query", "A step would not add exactly one token.")
     NON_GREEDY = ("non_greedy", "Sampling is not greedy: temperature > 1e-5 and top_k != 1.")
     LOGPROBS = ("logprobs", "The request asks for logprobs.")
+    LOGITS_PROCESSING = (
+        "logits_processing",
+        "Greedy but the logits are changed first (penalties, min_tokens): ours, beyond the seed's list.",
+    )
     STOP_STRINGS = ("stop_strings", "The request has stop strings.")
     STOP_TOKEN_SEQUENCES = ("stop_token_sequences", "The request has multi-token stop sequences.")
     KV_TRANSFER = ("kv_transfer", "The request imports or exports KV cache.")
@@ -55,6 +59,7 @@ ADMISSION_ORDER: tuple[Reason, ...] = (
     Reason.TOKENS_PER_QUERY,
     Reason.NON_GREEDY,
     Reason.LOGPROBS,
+    Reason.LOGITS_PROCESSING,
     Reason.STOP_STRINGS,
     Reason.STOP_TOKEN_SEQUENCES,
     Reason.KV_TRANSFER,

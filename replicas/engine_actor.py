@@ -98,7 +98,15 @@ class EngineActor:
                     ) from exc
                 logger.warning("persistent decoder unavailable (%s); requests will fall back", exc)
                 error = f"{exc.reason}: {exc}"
-            self.persistent = PersistentLane(self.core, decoder, error)
+            try:
+                self.persistent = PersistentLane(self.core, decoder, error)  # binds the KV cache
+            except PersistentDecoderError as exc:
+                if self.mode is Mode.REQUIRED:
+                    raise PersistentDecoderLoadError(
+                        f"persistent-decoder=required, but binding the KV cache failed: {exc}"
+                    ) from exc
+                logger.warning("persistent decoder could not bind the KV cache (%s); requests will fall back", exc)
+                self.persistent = PersistentLane(self.core, None, f"{exc.reason}: {exc}")
 
     async def ready(self) -> dict:
         """Static facts about this replica, once loaded."""

@@ -79,6 +79,11 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
+    def has_logits_processing(self) -> bool:
+        """Logits change before the argmax (penalties or min_tokens bans)."""
+        return self.has_penalties or self.min_tokens > 0
+
+    @property
     def is_greedy(self) -> bool:
         """Greedy decoding: temperature ~0 or top_k == 1 (seed's rule, DESIGN.md)."""
         return self.temperature <= 1e-5 or self.top_k == 1

@@ -75,6 +75,7 @@ class PersistentLane:
             temperature=p.temperature,
             top_k=p.top_k,
             logprobs=g.logprobs,
+            has_logits_processing=g.params.has_logits_processing,
             has_stop_strings=bool(p.stop),
             has_stop_token_sequences=g.has_stop_token_sequences,
             kv_transfer=g.kv_transfer,

@@ -31,6 +31,7 @@ TRIGGERS: dict[Reason, dict] = {
     Reason.TOKENS_PER_QUERY: {"tokens_per_step": 2},
     Reason.NON_GREEDY: {"temperature": 0.7},
     Reason.LOGPROBS: {"logprobs": True},
+    Reason.LOGITS_PROCESSING: {"has_logits_processing": True},
     Reason.STOP_STRINGS: {"has_stop_strings": True},
     Reason.STOP_TOKEN_SEQUENCES: {"has_stop_token_sequences": True},
     Reason.KV_TRANSFER: {"kv_transfer": True},
@@ -52,6 +53,7 @@ def test_reason_values_are_stable():
         "tokens_per_query",
         "non_greedy",
         "logprobs",
+        "logits_processing",  # ours: penalties / min_tokens change the argmax (not in the seed's list)
         "stop_strings",
         "stop_token_sequences",
         "kv_transfer",
