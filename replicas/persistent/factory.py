@@ -7,13 +7,15 @@ from replicas.persistent.checkpoint import check_checkpoint_dir
 from replicas.persistent.contract import PersistentBackend, UnsupportedConfigurationError
 from replicas.persistent.eager import EagerBackend
 
-BACKENDS = ("auto", "eager")
+BACKENDS = ("auto", "eager", "mk1")
 
 
 def create_backend(kind: str, core: EngineCore, checkpoint: str | None = None) -> PersistentBackend:
     """Build (not yet bound) the backend ``kind`` for ``core``.
 
-    ``auto`` picks ``eager`` (the only backend in this build). The eager
+    ``auto`` picks ``eager``; ``mk1`` (AMD gfx950 only) must be asked for by
+    name: :meth:`~replicas.persistent.mk1.MK1Backend.for_core` checks its
+    envelope, imports ``aiter.MK1`` and loads ``checkpoint``. The eager
     backend decodes with the engine's own weights; a checkpoint, when given,
     must pass :func:`~replicas.persistent.checkpoint.check_checkpoint_dir`
     (loading persistent weights from it comes with the GPT-OSS checkpoint work).
@@ -21,9 +23,14 @@ def create_backend(kind: str, core: EngineCore, checkpoint: str | None = None) -
     Raises:
         UnsupportedConfigurationError: unknown backend.
         CheckpointError: bad checkpoint directory.
+        NativeBinaryError: ``mk1`` and ``aiter.MK1`` cannot be imported.
     """
     if kind not in BACKENDS:
         raise UnsupportedConfigurationError(f"unknown persistent backend {kind!r}; choose from {', '.join(BACKENDS)}")
+    if kind == "mk1":
+        from replicas.persistent.mk1 import MK1Backend  # lazy: only the mk1 lane needs it
+
+        return MK1Backend.for_core(core, checkpoint)
     if checkpoint:
         check_checkpoint_dir(checkpoint)
     return EagerBackend(core.model, core.runner.device)
