@@ -379,14 +379,7 @@ def test_inv_freq_and_attention_factor_equal_transformers_yarn_for_gpt_oss():
 
 
 def test_rope_tables_equal_transformers_gpt_oss_rotary_embedding():
-    """Live check against transformers' GPT-OSS rotary embedding, when this session has transformers loaded.
-
-    Importing transformers costs 10-30 s on the shared dev machine, so alone this
-    file skips it; in the full ``tests/replicas`` run the reference fixtures load
-    it and this runs.
-    """
-    if "transformers" not in sys.modules:
-        pytest.skip("transformers not loaded in this session (the frozen inv_freq test covers the formula)")
+    """Live check against transformers' GPT-OSS rotary embedding (the reference implementation)."""
     import transformers
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
