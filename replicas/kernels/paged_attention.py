@@ -70,7 +70,8 @@ def write_kv(
 
 def paged_attention(
     query: torch.Tensor, key_plane: torch.Tensor, value_plane: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, *,
+    sinks: torch.Tensor | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached context.
 
@@ -80,11 +81,23 @@ def paged_attention(
         query: ``[T, num_heads, head_dim]``.
         key_plane, value_plane: ``[num_blocks, PAGE_SIZE, num_kv_heads, head_dim]``.
         meta: token placement.
-        scale: softmax scale, ``head_dim ** -0.5`` for Llama.
+        scale: softmax scale, ``head_dim ** -0.5`` for Llama and GPT-OSS.
+        sinks: optional ``[num_heads]`` learned per-head logits (GPT-OSS
+            "attention sinks"): an extra logit in each softmax denominator
+            whose probability mass is dropped, i.e.
+            ``p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))`` (transformers'
+            ``eager_attention_forward`` of ``modeling_gpt_oss.py``).
+        sliding_window: optional window ``W`` in tokens: the query at
+            position ``p`` sees keys at positions ``(p - W, p]`` (transformers'
+            ``sliding_window_overlay``: ``kv_idx > q_idx - W``). Every token
+            stays in the cache; the window only masks (and bounds the pages read).
 
     Returns:
-        ``[T, num_heads, head_dim]`` in ``query.dtype``.
+        ``[T, num_heads, head_dim]`` in ``query.dtype``. With ``sinks`` or
+        ``sliding_window`` the softmax is computed in fp32.
     """
+    if sinks is not None or sliding_window is not None:
+        return _masked_attention(query, key_plane, value_plane, meta, scale, sinks, sliding_window)
     out = torch.empty_like(query)
     num_heads, num_kv_heads = query.shape[1], key_plane.shape[2]
     for i in range(meta.num_seqs):
@@ -107,4 +120,62 @@ def paged_attention(
             mask = torch.arange(ctx).unsqueeze(0) <= qpos
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1)
+    return out
+
+
+SCORE_BUDGET = 1 << 26
+"""Most fp32 attention scores materialized at once by :func:`_masked_attention` (256 MiB):
+queries are processed in row chunks of ``SCORE_BUDGET // (num_heads * keys)``."""
+
+
+def _gather_tokens(plane: torch.Tensor, table: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Tokens ``[lo, hi)`` of a sequence from one cache plane: ``[hi - lo, num_kv_heads, head_dim]``."""
+    first = lo // PAGE_SIZE
+    pages = table[first: (hi + PAGE_SIZE - 1) // PAGE_SIZE]
+    return plane.index_select(0, pages).flatten(0, 1)[lo - first * PAGE_SIZE: hi - first * PAGE_SIZE]
+
+
+def _masked_attention(
+    query: torch.Tensor, key_plane: torch.Tensor, value_plane: torch.Tensor, meta: AttentionMetadata,
+    scale: float, sinks: torch.Tensor | None, window: int | None,
+) -> torch.Tensor:
+    """:func:`paged_attention` with sinks and/or a sliding window: explicit fp32 scores, row-chunked.
+
+    Only the pages holding keys some query of the chunk can see are gathered
+    (for a window, the last ``W - 1`` tokens before the chunk and the chunk).
+    GQA: query head ``h`` reads KV head ``h // (num_heads / num_kv_heads)``.
+    """
+    out = torch.empty_like(query)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_plane.shape[2]
+    rep = num_heads // num_kv_heads
+    sink_logits = None if sinks is None else sinks.float().view(num_heads, 1, 1)
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start[i], meta.query_start[i + 1]
+        q_len, ctx = end - start, meta.context_lens[i]
+        table = meta.block_tables[i]
+        max_keys = ctx if window is None else min(ctx, window - 1 + q_len)
+        rows = max(1, SCORE_BUDGET // (num_heads * max_keys))
+        for a in range(0, q_len, rows):
+            b = min(q_len, a + rows)
+            m = b - a
+            q_first, hi = ctx - q_len + a, ctx - q_len + b  # query positions [q_first, hi)
+            lo = 0 if window is None else max(0, q_first - window + 1)
+            n = hi - lo
+            k = _gather_tokens(key_plane, table, lo, hi).float().permute(1, 2, 0)  # [kvh, D, n]
+            v = _gather_tokens(value_plane, table, lo, hi).float().transpose(0, 1)  # [kvh, n, D]
+            q = query[start + a: start + b].float().transpose(0, 1)  # [H, m, D]
+            scores = torch.matmul(q.reshape(num_kv_heads, rep * m, head_dim), k) * scale  # [kvh, rep*m, n]
+            scores = scores.view(num_heads, m, n)
+            qpos = torch.arange(q_first, hi, device=query.device).unsqueeze(1)  # [m, 1]
+            kpos = torch.arange(lo, hi, device=query.device).unsqueeze(0)  # [1, n]
+            visible = kpos <= qpos
+            if window is not None:
+                visible &= kpos > qpos - window
+            scores = scores.masked_fill(~visible, float("-inf"))
+            if sink_logits is not None:
+                scores = torch.cat((scores, sink_logits.expand(num_heads, m, 1)), dim=-1)  # [H, m, n + 1]
+            probs = torch.softmax(scores, dim=-1)[..., :n]  # the sink's share is dropped
+            o = torch.matmul(probs.reshape(num_kv_heads, rep * m, n), v)  # [kvh, rep*m, D]
+            out[start + a: start + b] = o.view(num_heads, m, head_dim).transpose(0, 1).to(query.dtype)
     return out

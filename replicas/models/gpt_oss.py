@@ -1,0 +1,331 @@
+"""GPT-OSS decoder (OpenAI gpt-oss-20b / -120b) over the paged KV cache.
+
+Read top to bottom: RMSNorm → YaRN RoPE → attention (biases, per-head sinks,
+128-token sliding window on ``sliding_attention`` layers) → MoE (top-k router,
+MXFP4 experts with the clamped SwiGLU) → decoder layer → model. Module and
+tensor names mirror transformers' ``GptOssForCausalLM`` and the HF checkpoint
+(experts as ``*_blocks``/``*_scales``), so safetensors load by name;
+transformers is our test reference, not our runtime. Shapes: ``T`` = new
+tokens in this forward, ``H`` = query heads, ``KVH`` = KV heads, ``D`` =
+head_dim, ``E`` = experts, ``K`` = experts per token, ``I`` = expert width.
+
+Expert memory: the experts stay packed (MXFP4, 4.25 bits per weight) as
+buffers on the model's device; each forward dequantizes only the experts its
+tokens were routed to, one at a time, into a transient ``[2I, hidden]`` +
+``[hidden, I]`` pair in the compute dtype (GPT-OSS bf16: 2 x 2880 x 8640 bytes
+= 50 MB). gpt-oss-120b is then ~61 GB of packed experts + ~4 GB of bf16
+(attention, router, embeddings) instead of ~233 GB dense bf16. This is the
+reference path; GPU kernels consume the packed buffers directly.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from replicas.models.gpt_oss_config import GptOssConfig, YarnScaling
+from replicas.models.loader import load_safetensors
+from replicas.models.mxfp4 import (
+    BLOCK_SIZE,
+    BYTES_PER_BLOCK,
+    MXFP4Error,
+    check_mxfp4,
+    dequantize_mxfp4,
+)
+
+KVPlanes = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer ``(key_plane, value_plane)``, each ``[num_blocks, PAGE_SIZE, KVH, D]``."""
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019) as transformers' ``GptOssRMSNorm``: the weight multiplies in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(head_dim: int, theta: float, yarn: YarnScaling | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[head_dim / 2]`` fp32 and the cos/sin scale (YaRN's ``mscale``, else 1).
+
+    Plain RoPE (Su et al. 2021): ``inv_freq_i = theta ** (-2i / D)``. YaRN
+    (Peng et al. 2023, §3.2 "NTK-by-parts", as transformers'
+    ``_compute_yarn_parameters``): dims rotating more than ``beta_fast`` times
+    over the original context keep their frequency, those rotating fewer than
+    ``beta_slow`` times are divided by ``factor``, with a linear ramp between.
+    """
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if yarn is None:
+        return 1.0 / pos_freqs, 1.0
+
+    def correction_dim(rotations: float) -> float:  # dim index that rotates `rotations` times over L
+        return head_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta)
+        )
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency
+    inv_freq = (1.0 / (yarn.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, yarn.mscale
+
+
+def rope_tables(cfg: GptOssConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[max_position_embeddings, D / 2]`` fp32, already multiplied by the YaRN mscale."""
+    inv_freq, scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return freqs.cos() * scale, freqs.sin() * scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, D]`` by ``cos``/``sin`` ``[T, D/2]``, half-split pairs ``(i, i + D/2)``
+    (transformers' GPT-OSS ``_apply_rotary_emb``)."""
+    first, second = x.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------- attention
+
+
+class Attention(nn.Module):
+    """GQA attention with q/k/v/o biases and learned per-head sinks; a sliding window on sliding layers."""
+
+    def __init__(self, cfg: GptOssConfig, layer: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads))  # [H] logits
+        self.sliding_window = cfg.layer_window(layer)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, planes: tuple[torch.Tensor, torch.Tensor]):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(k, v, planes[0], planes[1], meta.slot_mapping)
+        o = paged_attention(
+            q, planes[0], planes[1], meta, self.scale, sinks=self.sinks, sliding_window=self.sliding_window
+        )  # [T, H, D]
+        return self.o_proj(o.reshape(t, -1))
+
+
+# ----------------------------------------------------------------------------------------------- MoE
+
+
+class Router(nn.Module):
+    """Top-k router: ``logits = x W^T + b`` ``[T, E]``; the K largest, softmaxed among themselves."""
+
+    def __init__(self, cfg: GptOssConfig):
+        super().__init__()
+        self.top_k = cfg.experts_per_token
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(weights [T, K] in x.dtype, expert ids [T, K] int64)``."""
+        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        top, idx = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), idx
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's SwiGLU on interleaved ``[..., 2I]`` → ``[..., I]`` (transformers' ``GptOssExperts._apply_gate``).
+
+    ``gate = min(x[..., ::2], limit)``, ``up = clamp(x[..., 1::2], -limit, limit)``,
+    ``out = (up + 1) * gate * sigmoid(alpha * gate)``; alpha 1.702, limit 7.0.
+    """
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class Experts(nn.Module):
+    """``E`` MXFP4 experts, kept packed; each routed expert is dequantized on the fly.
+
+    Buffers (HF checkpoint names; logical weights in ``nn.Linear`` ``[out, in]`` layout):
+        gate_up_proj_blocks: uint8 ``[E, 2I, hidden/32, 16]``; gate_up_proj_scales: uint8 ``[E, 2I, hidden/32]``.
+        down_proj_blocks: uint8 ``[E, hidden, I/32, 16]``; down_proj_scales: uint8 ``[E, hidden, I/32]``.
+    Parameters: gate_up_proj_bias ``[E, 2I]``, down_proj_bias ``[E, hidden]``.
+    Gate and up rows are interleaved: row ``2j`` is gate ``j``, row ``2j + 1`` is up ``j``.
+    """
+
+    def __init__(self, cfg: GptOssConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.register_buffer("gate_up_proj_blocks", torch.zeros(e, 2 * i, h // BLOCK_SIZE, BYTES_PER_BLOCK, dtype=torch.uint8))
+        self.register_buffer("gate_up_proj_scales", torch.zeros(e, 2 * i, h // BLOCK_SIZE, dtype=torch.uint8))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
+        self.register_buffer("down_proj_blocks", torch.zeros(e, h, i // BLOCK_SIZE, BYTES_PER_BLOCK, dtype=torch.uint8))
+        self.register_buffer("down_proj_scales", torch.zeros(e, h, i // BLOCK_SIZE, dtype=torch.uint8))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]``, routing ``weights``/``idx`` ``[T, K]`` → ``sum_k w_k * expert_k(x)`` ``[T, hidden]``.
+
+        Experts are visited in increasing id, as transformers' ``GptOssExperts.forward``.
+        """
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)  # tokens routed to e, and at which of their K slots
+            w_gate_up = dequantize_mxfp4(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e], x.dtype)  # [2I, h]
+            w_down = dequantize_mxfp4(self.down_proj_blocks[e], self.down_proj_scales[e], x.dtype)  # [h, I]
+            y = F.linear(x[tok], w_gate_up, self.gate_up_proj_bias[e])  # [n, 2I]
+            y = F.linear(clamped_swiglu(y, self.alpha, self.limit), w_down, self.down_proj_bias[e])  # [n, h]
+            out.index_add_(0, tok, y * weights[tok, slot, None])
+        return out
+
+
+class MLP(nn.Module):
+    """Mixture of experts: route, then the weighted sum of the K chosen experts."""
+
+    def __init__(self, cfg: GptOssConfig):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.router(x)  # [T, K]
+        return self.experts(x, weights, idx)
+
+
+# ----------------------------------------------------------------------------------------- the model
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: GptOssConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, meta, planes):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, planes)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GptOssBackbone(nn.Module):
+    def __init__(self, cfg: GptOssConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class GptOssForCausalLM(nn.Module):
+    """GPT-OSS decoder with an LM head, running over a paged KV cache.
+
+    ``forward(input_ids [T] int64, meta, kv_planes) -> logits [B, vocab]`` (fp32)
+    for the last new token of each of the ``B`` sequences in ``meta``; any
+    ``T`` (prefill chunks, batched decode, or the persistent lane's one token).
+    """
+
+    def __init__(self, cfg: GptOssConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = GptOssBackbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_pos, D/2] fp32
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_planes: KVPlanes) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos = self.rope_cos[meta.positions].to(x.dtype)  # [T, D/2]
+        sin = self.rope_sin[meta.positions].to(x.dtype)
+        for layer, planes in zip(self.model.layers, kv_planes, strict=True):
+            x = layer(x, cos, sin, meta, planes)
+        x = self.model.norm(x[meta.last_token_indices.to(x.device)])  # [B, hidden]
+        return self.lm_head(x).float()  # [B, vocab]
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+        progress: bool = True,
+    ) -> GptOssForCausalLM:
+        """Build from an HF GPT-OSS directory (``config.json`` + safetensors with MXFP4 experts).
+
+        Floating tensors are cast to ``dtype``; ``*_blocks``/``*_scales`` stay uint8.
+
+        Raises:
+            ValueError: a missing, unexpected, mis-shaped or mis-typed tensor
+                (named in the message; :class:`MXFP4Error` for packed experts).
+        """
+        cfg = GptOssConfig.from_dir(path)
+        for dim, name in ((cfg.hidden_size, "hidden_size"), (cfg.intermediate_size, "intermediate_size")):
+            if dim % BLOCK_SIZE:
+                raise ValueError(f"{name}={dim} is not a multiple of the MXFP4 block size {BLOCK_SIZE}")
+        with torch.device("meta"):
+            model = cls(cfg)
+        weights = load_safetensors(Path(path), dtype, device, progress=progress)
+        if cfg.tie_word_embeddings and "model.embed_tokens.weight" in weights:
+            weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+        check_weights(model.state_dict(), weights, path)
+        model.load_state_dict(weights, strict=True, assign=True)
+        cos, sin = rope_tables(cfg)
+        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+        return model.eval()
+
+
+def check_weights(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], path) -> None:
+    """Every expected tensor present with its shape and kind; raise ``ValueError`` naming the first bad one.
+
+    ``expected`` is the (meta) model's state dict. Packed experts are checked
+    pairwise by :func:`~replicas.models.mxfp4.check_mxfp4`.
+    """
+    missing = sorted(expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    if missing or unexpected:
+        dense = [n for n in unexpected if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+        hint = " (dense expert weights are not supported: expected MXFP4 *_blocks/*_scales)" if dense else ""
+        raise ValueError(
+            f"checkpoint {path} does not match gpt_oss: missing {missing[:5]}, unexpected {unexpected[:5]}{hint}"
+        )
+    for name, ref in expected.items():
+        got = weights[name]
+        if name.endswith("_blocks"):
+            base = name.removesuffix("_blocks")
+            scales = weights[base + "_scales"]
+            logical = (*ref.shape[:-2], ref.shape[-2] * BLOCK_SIZE)
+            try:
+                check_mxfp4(got, scales, name=base, shape=logical)
+            except MXFP4Error as exc:
+                raise MXFP4Error(f"checkpoint {path}: {exc}") from None
+        elif name.endswith("_scales"):
+            continue  # checked with its blocks
+        elif not got.is_floating_point():
+            raise ValueError(f"checkpoint {path}: tensor {name} has dtype {got.dtype}, expected a floating dtype")
+        elif got.shape != ref.shape:
+            raise ValueError(
+                f"checkpoint {path}: tensor {name} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
+            )
