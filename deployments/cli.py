@@ -29,7 +29,7 @@ def parse_args(argv: list[str] | None = None) -> dict:
                         "required: refuse to start without a working persistent decoder")
     p.add_argument("--persistent-decoder-checkpoint", metavar="DIR",
                    help="persistent-decoder checkpoint directory (manifest + safetensors)")
-    p.add_argument("--persistent-backend", choices=["auto", "eager", "mk1"],
+    p.add_argument("--persistent-backend", choices=["auto", "eager", "cuda_graph", "mk1"],
                    help="persistent backend (default auto; mk1 needs AMD aiter on an MI355X)")
     p.add_argument("--num-persistent-replicas", type=int, help="persistent-lane replicas (default 1)")
     p.add_argument("--num-standard-replicas", type=int, help="standard-lane replicas (default 1)")

@@ -30,9 +30,10 @@ class AppConfig(BaseModel):
     persistent_decoder_checkpoint: str | None = Field(
         None, description="Directory of the persistent-decoder checkpoint (manifest + safetensors)."
     )
-    persistent_backend: Literal["auto", "eager", "mk1"] = Field(
+    persistent_backend: Literal["auto", "eager", "cuda_graph", "mk1"] = Field(
         "auto",
-        description="Persistent backend: eager (reference, any device); mk1 (AMD aiter MK1 on MI355X, "
+        description="Persistent backend: eager (reference, any device); cuda_graph (NVIDIA: quanta as CUDA "
+        "graphs); mk1 (AMD aiter MK1 on MI355X, "
         "needs AMD's aiter built from source); auto picks the best available.",
     )
     num_persistent_replicas: int = Field(1, ge=0, description="Persistent-lane replicas (one GPU each on GPU).")

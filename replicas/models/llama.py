@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from replicas.kernels.static_decode import static_decode_attention, static_slot
 from replicas.models.config import ModelConfig
 from replicas.models.loader import load_safetensors
 
@@ -134,6 +135,39 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, meta, planes)
         x = self.model.norm(x[meta.last_token_indices.to(x.device)])  # [B, hidden]
         return self.lm_head(x).float()  # [B, vocab]
+
+    @torch.inference_mode()
+    def decode_static(
+        self, token: torch.Tensor, position: torch.Tensor, block_table: torch.Tensor, kv_planes: KVPlanes
+    ) -> torch.Tensor:
+        """One greedy-decode step with static shapes and no host sync (CUDA-graph capturable).
+
+        Args:
+            token: ``[1]`` int64, the pending token (its KV is not yet in the cache).
+            position: ``[1]`` int64, its position (= committed KV length).
+            block_table: ``[max_blocks]`` int64 page ids covering ``position``.
+            kv_planes: per layer ``(key_plane, value_plane)``.
+
+        Returns:
+            ``[1, vocab]`` fp32 logits for the next token.
+        """
+        slot = static_slot(block_table, position)
+        context_len = position + 1
+        x = self.model.embed_tokens(token)  # [1, hidden]
+        cos = self.rope_cos[position].to(x.dtype)  # [1, D]
+        sin = self.rope_sin[position].to(x.dtype)
+        for layer, (kp, vp) in zip(self.model.layers, kv_planes, strict=True):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, attn.num_heads, attn.head_dim)
+            k = attn.k_proj(h).view(1, attn.num_kv_heads, attn.head_dim)
+            v = attn.v_proj(h).view(1, attn.num_kv_heads, attn.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            write_kv(k, v, kp, vp, slot)
+            o = static_decode_attention(q, kp, vp, block_table, context_len, attn.scale)
+            x = x + attn.o_proj(o.reshape(1, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.model.norm(x)).float()
 
     @classmethod
     def from_pretrained(

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import torch
+
 from replicas.engine import EngineCore
 from replicas.persistent.checkpoint import check_checkpoint_dir
 from replicas.persistent.contract import PersistentBackend, UnsupportedConfigurationError
 from replicas.persistent.eager import EagerBackend
 
-BACKENDS = ("auto", "eager", "mk1")
+BACKENDS = ("auto", "eager", "cuda_graph", "mk1")
 
 
 def create_backend(kind: str, core: EngineCore, checkpoint: str | None = None) -> PersistentBackend:
     """Build (not yet bound) the backend ``kind`` for ``core``.
 
-    ``auto`` picks ``eager``; ``mk1`` (AMD gfx950 only) must be asked for by
+    ``auto`` picks ``cuda_graph`` on a CUDA device when the model has a static
+    decode step, else ``eager``; ``mk1`` (AMD gfx950 only) must be asked for by
     name: :meth:`~replicas.persistent.mk1.MK1Backend.for_core` checks its
     envelope, imports ``aiter.MK1`` and loads ``checkpoint``. The eager
     backend decodes with the engine's own weights; a checkpoint, when given,
@@ -33,4 +36,10 @@ def create_backend(kind: str, core: EngineCore, checkpoint: str | None = None) -
         return MK1Backend.for_core(core, checkpoint)
     if checkpoint:
         check_checkpoint_dir(checkpoint)
-    return EagerBackend(core.model, core.runner.device)
+    device = core.runner.device
+    graphs_fit = torch.device(device).type == "cuda" and hasattr(core.model, "decode_static")
+    if kind == "cuda_graph" or (kind == "auto" and graphs_fit):
+        from replicas.persistent.cuda_graph import CudaGraphBackend
+
+        return CudaGraphBackend(core.model, device, core.config.max_model_len)
+    return EagerBackend(core.model, device)

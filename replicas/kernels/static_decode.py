@@ -1,0 +1,62 @@
+"""Batch-one decode attention with static shapes (capturable in a CUDA graph).
+
+Every tensor has a fixed shape and everything stays on the device: the block
+table is padded to ``max_blocks`` pages and positions at or beyond the
+context length are masked, so one captured graph serves every context length
+up to ``max_blocks * PAGE_SIZE``. This is the torch reference the Triton decode
+kernel will replace; it reads every page of the padded table each step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replicas.kernels.paged_attention import PAGE_SIZE
+
+
+def static_slot(block_table: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Flat cache slot of ``position`` ``[1]`` through ``block_table`` ``[max_blocks]`` (both int64, on device)."""
+    return block_table[position // PAGE_SIZE] * PAGE_SIZE + position % PAGE_SIZE
+
+
+def static_decode_attention(
+    query: torch.Tensor, key_plane: torch.Tensor, value_plane: torch.Tensor,
+    block_table: torch.Tensor, context_len: torch.Tensor, scale: float, *,
+    sinks: torch.Tensor | None = None, sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One query token's attention over its paged context, with static shapes.
+
+    Args:
+        query: ``[1, H, D]``.
+        key_plane, value_plane: ``[num_blocks, PAGE_SIZE, KVH, D]``.
+        block_table: ``[max_blocks]`` int64 page ids (padding entries may be any valid page).
+        context_len: ``[1]`` int64, keys ``0 .. context_len-1`` are visible
+            (the query's own KV already written at ``context_len - 1``).
+        scale: softmax scale.
+        sinks: optional ``[H]`` per-head sink logits (GPT-OSS; transformers'
+            ``eager_attention_forward``): an extra softmax term whose mass is dropped.
+        sliding_window: optional window ``W``: only keys at positions ``> context_len - 1 - W``.
+
+    Returns:
+        ``[1, H, D]`` in ``query.dtype``; the softmax runs in fp32.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    kvh = key_plane.shape[2]
+    k = key_plane.index_select(0, block_table).flatten(0, 1)  # [L, KVH, D], L = max_blocks * PAGE_SIZE
+    v = value_plane.index_select(0, block_table).flatten(0, 1)
+    q = query[0].view(kvh, num_heads // kvh, head_dim).float()  # [KVH, G, D]
+    scores = torch.einsum("kgd,lkd->kgl", q, k.float()) * scale  # [KVH, G, L]
+    pos = torch.arange(k.shape[0], device=query.device)
+    visible = pos < context_len
+    if sliding_window is not None:
+        visible = visible & (pos > context_len - 1 - sliding_window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(kvh, num_heads // kvh, 1)
+        m = torch.maximum(scores.amax(-1, keepdim=True), sink)
+        e = torch.exp(scores - m)
+        probs = e / (e.sum(-1, keepdim=True) + torch.exp(sink - m))
+    else:
+        probs = torch.softmax(scores, -1)
+    out = torch.einsum("kgl,lkd->kgd", probs, v.float())  # [KVH, G, D]
+    return out.reshape(1, num_heads, head_dim).to(query.dtype)
