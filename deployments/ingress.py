@@ -2,8 +2,10 @@
 
 Parses the request (pydantic), applies the chat template, tokenizes, asks the
 in-process :class:`~deployments.router.Router` for a lane and streams the
-result as JSON or SSE. Every response carries ``x-lane``. Errors come back in
-OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``.
+result as JSON or SSE (one engine request per HTTP request, all ``n`` choices
+on one stream). Also serves ``/tokenize`` and ``/detokenize``. Every response
+carries ``x-lane``. Errors come back in OpenAI's format:
+``{"error": {"message", "type", "param", "code"}}``.
 """
 
 
@@ -17,7 +19,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import AppConfig
-from deployments.openai_format import ChatFormat, CompletionFormat, merge, to_http
+from deployments.openai_format import ChatFormat, CompletionFormat, TokenText, to_http
 from deployments.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,9 +29,17 @@ from deployments.protocol import (
     validation_error,
 )
 from deployments.router import Router
+from deployments.tokenize_api import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_token_ids,
+    detokenize,
+    encode_chat,
+    encode_prompt,
+    tokenize,
+)
 from ops.tracing import setup_tracing
 from replicas.messages import GenerateRequest, GenerationError
-from replicas.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="persistent-serve", version="0.1.0")
@@ -72,6 +82,7 @@ class OpenAIIngress:
         self.model_name = config.engine.name
         self.max_model_len = config.engine.max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.engine.model, progress=False))
+        self.token_text = TokenText(self.tokenizer)
         self.router = Router(
             config.persistent_decoder, persistent if config.persistent_enabled else None, standard,
             self.max_model_len, config.num_persistent_replicas,
@@ -102,39 +113,42 @@ class OpenAIIngress:
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest):
         self._check_common(body)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # noqa: BLE001 - template errors are the client's input
-            raise OpenAIError(f"could not apply the chat template: {exc}", param="messages") from exc
-        ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-        return await self._serve(body, ids, chat=True)
+        return await self._serve(body, encode_chat(self.tokenizer, body.messages), chat=True)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
         self._check_common(body)
         if isinstance(body.prompt, str):
-            try:
-                ids = self.tokenizer.encode(body.prompt, add_special_tokens=True)
-            except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates: the client's input
-                raise OpenAIError(f"could not tokenize the prompt: {exc}", param="prompt") from exc
+            ids = encode_prompt(self.tokenizer, body.prompt)
+            echo = body.prompt if body.echo else ""
         else:
             ids = list(body.prompt)
-            vocab = len(self.tokenizer)
-            if any(t < 0 or t >= vocab for t in ids):
-                raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return await self._serve(body, ids, chat=False)
+            check_token_ids(self.tokenizer, ids, "prompt")
+            echo = self.tokenizer.decode(ids) if body.echo else ""
+        return await self._serve(body, ids, chat=False, echo=echo)
+
+    @api.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest):
+        self._check_model(body.model)
+        return tokenize(self.tokenizer, body, self.max_model_len)
+
+    @api.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest):
+        self._check_model(body.model)
+        return detokenize(self.tokenizer, body)
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _check_common(self, body) -> None:
-        if body.model != self.model_name:
-            raise OpenAIError(f"The model `{body.model}` does not exist.", status=404,
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", status=404,
                               param="model", code="model_not_found")
-        bad = body.unsupported()
-        if bad:
-            raise OpenAIError(f"not supported yet: {', '.join(bad)}", param=bad[0], code="unsupported_parameter")
 
-    def _requests(self, body, ids: list[int]) -> list[GenerateRequest]:
+    def _check_common(self, body) -> None:
+        self._check_model(body.model)
+        body.check()
+
+    def _request(self, body, ids: list[int]) -> GenerateRequest:
+        """One engine request for all ``n`` choices (the engine derives per-choice seeds)."""
         if not ids:
             raise OpenAIError("the prompt is empty", param="prompt")
         room = self.max_model_len - len(ids)
@@ -144,32 +158,22 @@ class OpenAIIngress:
                 f"has {len(ids)} tokens (prompt + at least 1 output token must fit).",
                 param="messages" if hasattr(body, "messages") else "prompt", code="context_length_exceeded")
         limit = body.output_limit()
-        max_tokens = min(limit, room) if limit else room
-        base = new_id("req")
-        out = []
-        for i in range(body.n):
-            seed = body.seed + i if body.seed is not None else None
-            params = SamplingParams(
-                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                top_k=body.top_k if body.top_k and body.top_k > 0 else None, seed=seed,
-                stop=tuple(body.stop or ()), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-            )
-            rid = base if body.n == 1 else f"{base}-{i}"
-            out.append(GenerateRequest(rid, ids, params))
-        return out
+        return GenerateRequest(new_id("req"), ids, body.sampling_params(min(limit, room) if limit else room))
 
-    async def _serve(self, body, ids: list[int], chat: bool):
-        reqs = self._requests(body, ids)
-        stream = merge([self.router.generate(g) for g in reqs])
+    async def _serve(self, body, ids: list[int], chat: bool, echo: str = ""):
+        g = self._request(body, ids)
+        stream = self.router.generate(g)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
             raise OpenAIError("no output", status=500, type_="server_error") from None
-        if isinstance(first[1], GenerationError):
+        if isinstance(first, GenerationError):
             await stream.aclose()
-            raise to_http(first[1])
-        headers = {"x-lane": first[1].lane}
-        fmt = ChatFormat(self.model_name) if chat else CompletionFormat(self.model_name)
+            raise to_http(first)
+        headers = {"x-lane": first.lane}
+        logprobs = g.params.logprobs is not None
+        fmt = (ChatFormat(self.model_name, self.token_text, logprobs) if chat
+               else CompletionFormat(self.model_name, self.token_text, logprobs, echo))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(

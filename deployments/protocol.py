@@ -1,16 +1,19 @@
 """OpenAI-compatible request models and error bodies (pydantic).
 
 Only what the serving path honours is accepted; parameters we do not support
-yet are rejected with a 400 naming them rather than silently ignored.
+yet are rejected with a 400 naming them rather than silently ignored. Each request
+maps itself to the engine's :class:`~replicas.request.SamplingParams`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from replicas.request import SamplingParams
 
 
 class OpenAIError(Exception):
@@ -63,15 +66,25 @@ class ChatMessage(BaseModel):
 
 UNSUPPORTED_EXTRAS = (
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-    "logit_bias", "top_logprobs", "echo", "suffix", "repetition_penalty", "min_p", "min_tokens",
+    "logit_bias", "suffix", "prompt_logprobs",
 )
 """OpenAI/vLLM parameters we do not honour yet: a request that sets one gets a 400 naming it."""
 
 
-class _SamplingFields(BaseModel):
-    """Fields chat and completions share (OpenAI names; ``top_k``/``ignore_eos``/``stop_token_ids`` as in vLLM).
+def _is_set(name: str, value) -> bool:
+    """Whether an unsupported parameter asks for something (empty or default values are fine)."""
+    if name == "prompt_logprobs":  # 0 asks for the prompt tokens' own logprobs
+        return value is not None
+    if name == "response_format":
+        return value not in (None, {"type": "text"})
+    return value not in (None, "", [], {}, False)
 
-    Unknown fields are kept (``model_extra``) so that :meth:`unsupported` can name
+
+class _SamplingFields(BaseModel):
+    """Fields chat and completions share (OpenAI names; vLLM's extensions ``top_k``, ``min_p``,
+    ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``).
+
+    Unknown fields are kept (``model_extra``) so that :meth:`check` can name
     the ones we cannot honour; other unknown fields (``store``, ``metadata``) are ignored.
     """
 
@@ -82,17 +95,21 @@ class _SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     user: str | None = None
+
+    unsupported_extras: ClassVar[tuple[str, ...]] = UNSUPPORTED_EXTRAS
 
     @field_validator("stop")
     @classmethod
@@ -104,28 +121,62 @@ class _SamplingFields(BaseModel):
             raise ValueError("at most 4 stop sequences are allowed")
         return stops
 
+    def check(self) -> None:
+        """Raise a 400 :class:`OpenAIError` naming the first parameter we cannot honour."""
+        bad = self.unsupported()
+        if bad:
+            raise OpenAIError(f"not supported yet: {', '.join(bad)}", param=bad[0], code="unsupported_parameter")
+
     def unsupported(self) -> list[str]:
         """Names of parameters set to values this build cannot honour yet (rejected with a 400)."""
         bad = []
-        if self.logprobs is not None and self.logprobs is not False:
-            bad.append("logprobs")
-        if self.presence_penalty:
-            bad.append("presence_penalty")
-        if self.frequency_penalty:
-            bad.append("frequency_penalty")
         extra = self.model_extra or {}
-        for name in UNSUPPORTED_EXTRAS:
-            value = extra.get(name)
-            if value not in (None, [], {}, False) and not (name == "response_format" and value == {"type": "text"}):
+        for name in self.unsupported_extras:
+            if _is_set(name, extra.get(name)):
                 bad.append(name)
         if extra.get("best_of") not in (None, 1):
             bad.append("best_of")
         return bad
 
+    def logprobs_k(self) -> int | None:
+        """``SamplingParams.logprobs``: None for none, else how many top alternatives per token."""
+        raise NotImplementedError
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters for this request, ``max_tokens`` already fitted to the context.
+
+        Raises:
+            OpenAIError: ``min_tokens`` above the output limit.
+        """
+        if self.min_tokens > max_tokens:
+            raise OpenAIError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens}, "
+                              "after fitting the context)", param="min_tokens")
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k if self.top_k and self.top_k > 0 else None, seed=self.seed,
+            stop=tuple(self.stop or ()), stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, n=self.n, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+            logprobs=self.logprobs_k(),
+        )
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+    unsupported_extras: ClassVar[tuple[str, ...]] = (*UNSUPPORTED_EXTRAS, "echo")  # vLLM's chat ``echo`` (prepend the last message)
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -133,6 +184,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
@@ -144,6 +197,16 @@ class CompletionRequest(_SamplingFields):
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
         return v
+
+    def check(self) -> None:
+        super().check()
+        if self.echo and self.logprobs is not None:
+            # with echo, OpenAI/vLLM return the prompt's logprobs too; the engine does not compute them
+            raise OpenAIError("not supported: echo together with logprobs (prompt logprobs)",
+                              param="echo", code="unsupported_parameter")
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
     def output_limit(self) -> int | None:
         return self.max_tokens

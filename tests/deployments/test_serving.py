@@ -184,8 +184,8 @@ def test_client_disconnect_aborts_and_frees_pages(server, temperature, lane):
     ("/v1/chat/completions", {"json": {"model": MODEL, "messages": FRANCE, "seed": 10**30}}, 400, "seed"),
     ("/v1/chat/completions", {"json": {"model": MODEL, "messages": FRANCE, "tools": [{"type": "function"}]}},
      400, "tools"),
-    ("/v1/completions", {"json": {"model": MODEL, "prompt": "hi", "logprobs": 0}}, 400, "logprobs"),
-    ("/v1/completions", {"json": {"model": MODEL, "prompt": "hi", "echo": True}}, 400, "echo"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": "hi", "logprobs": 6}}, 400, "logprobs"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}}, 400, "echo"),
     ("/v1/no-such-endpoint", {"json": {}}, 404, "Not Found"),
 ])
 def test_malformed_http_gets_openai_error(server, path, kwargs, status, needle):

@@ -1,0 +1,82 @@
+"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, plus the prompt encoding the
+chat and completions endpoints share (so ``/tokenize`` gives the ids they count as prompt tokens).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deployments.protocol import ChatMessage, OpenAIError
+
+
+class TokenizeRequest(BaseModel):
+    """``{"model", "prompt"}`` or ``{"model", "messages", "add_generation_prompt"}``.
+
+    ``add_special_tokens`` defaults as in vLLM: true for a prompt, false for
+    messages (the chat template already has them).
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def encode_prompt(tokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    try:
+        return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates: the client's input
+        raise OpenAIError(f"could not tokenize the prompt: {exc}", param="prompt") from exc
+
+
+def encode_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
+    """The prompt ids of a chat request (chat template applied)."""
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        if add_special_tokens:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=False)
+            return list(tokenizer.encode(text, add_special_tokens=True))
+        enc = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except Exception as exc:  # noqa: BLE001 - template errors are the client's input
+        raise OpenAIError(f"could not apply the chat template: {exc}", param="messages") from exc
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def check_token_ids(tokenizer, ids: list[int], param: str) -> None:
+    vocab = len(tokenizer)
+    bad = next((t for t in ids if t < 0 or t >= vocab), None)
+    if bad is not None:
+        raise OpenAIError(f"token id {bad} is out of range: ids must be in [0, {vocab})", param=param)
+
+
+def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int) -> dict:
+    """``{"tokens", "count", "max_model_len"}`` (+ ``token_strs`` when asked)."""
+    if (req.prompt is None) == (req.messages is None):
+        raise OpenAIError("send exactly one of `prompt` and `messages`", param="prompt")
+    if req.messages is not None:
+        ids = encode_chat(tokenizer, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
+    else:
+        ids = encode_prompt(tokenizer, req.prompt, req.add_special_tokens is not False)
+    out = {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+    if req.return_token_strs:
+        out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return out
+
+
+def detokenize(tokenizer, req: DetokenizeRequest) -> dict:
+    """``{"prompt": text}`` for ``req.tokens`` (400 naming ``tokens`` for ids outside the vocabulary)."""
+    check_token_ids(tokenizer, req.tokens, "tokens")
+    return {"prompt": tokenizer.decode(req.tokens)}

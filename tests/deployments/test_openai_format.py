@@ -1,0 +1,406 @@
+"""Unit tests of the OpenAI formatters, request mapping and tokenize helpers (no Ray, no model).
+
+Engine streams are hand-made :class:`GenerationChunk` sequences; token texts come
+from the real SmolLM2 tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from deployments.openai_format import ChatFormat, CompletionFormat, TokenText
+from deployments.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from deployments.tokenize_api import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    encode_chat,
+    tokenize,
+)
+from replicas.messages import GenerationChunk, GenerationError, TokenLogprobs
+
+MODEL = "smollm2-135m-instruct"
+PROMPT_TOKENS = 7
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from replicas.models.loader import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(MODEL, progress=False))
+
+
+@pytest.fixture(scope="module")
+def tt(tokenizer):
+    return TokenText(tokenizer)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+def _lp(token_id: int, k: int, alt: list[int]) -> TokenLogprobs:
+    """The sampled token first among ``k`` alternatives (descending), like a greedy engine would report."""
+    top = [(t, -0.1 - 0.7 * j) for j, t in enumerate(([token_id] + [a for a in alt if a != token_id])[:k])]
+    return TokenLogprobs(token_id, -0.1, top)
+
+
+def _stream(tokenizer, texts: dict[int, str], order: list[int], k: int | None = None,
+            finish: dict[int, str] | None = None) -> list[GenerationChunk]:
+    """One chunk per token, choices interleaved in ``order``; each choice's last chunk is final."""
+    ids = {i: tokenizer.encode(t, add_special_tokens=False) for i, t in texts.items()}
+    pos = dict.fromkeys(ids, 0)
+    finish = finish or {}
+    out = []
+    for i in order:
+        j = pos[i]
+        tid = ids[i][j]
+        pos[i] = j + 1
+        last = pos[i] == len(ids[i])
+        out.append(GenerationChunk(
+            "req-1", [tid], tokenizer.decode(ids[i][: j + 1])[len(tokenizer.decode(ids[i][:j])):],
+            finish_reason=finish.get(i, "stop") if last else None,
+            num_prompt_tokens=PROMPT_TOKENS, num_output_tokens=j + 1, index=i,
+            logprobs=None if k is None else [_lp(tid, k, _alternatives(tokenizer))],
+        ))
+    return out
+
+
+def _alternatives(tokenizer) -> list[int]:
+    return tokenizer.convert_tokens_to_ids([",", ".", "!"])
+
+
+def _interleave(tokenizer, texts: dict[int, str]) -> list[int]:
+    lens = {i: len(tokenizer.encode(t, add_special_tokens=False)) for i, t in texts.items()}
+    order, left = [], dict(lens)
+    while any(left.values()):
+        for i in sorted(left):
+            if left[i]:
+                order.append(i)
+                left[i] -= 1
+    return order
+
+
+async def _agen(items):
+    for item in items:
+        yield item
+
+
+def _collect(fmt, items, n):
+    async def go():
+        rest = _agen(items[1:])
+        return await fmt.collect(items[0], rest, n)
+    return asyncio.run(go())
+
+
+def _sse(fmt, items, n, include_usage=False) -> list[dict | str]:
+    async def go():
+        rest = _agen(items[1:])
+        return [ev async for ev in fmt.sse(items[0], rest, n, include_usage)]
+    events = asyncio.run(go())
+    out = []
+    for ev in events:
+        assert ev.startswith("data: ") and ev.endswith("\n\n")
+        payload = ev[len("data: "):-2]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+TEXTS = {0: "Paris is the capital.", 1: "The answer is Paris, France."}
+
+
+# ---- chat ------------------------------------------------------------------------------------
+
+def test_chat_collect_demultiplexes_n2_with_usage(tokenizer):
+    items = _stream(tokenizer, TEXTS, _interleave(tokenizer, TEXTS), finish={0: "stop", 1: "length"})
+    body = _collect(ChatFormat(MODEL), items, 2)
+    assert body["object"] == "chat.completion"
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in body["choices"]] == [TEXTS[0], TEXTS[1]]
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
+    assert all(c["logprobs"] is None for c in body["choices"])
+    n_out = [len(tokenizer.encode(t, add_special_tokens=False)) for t in TEXTS.values()]
+    assert body["usage"] == {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": sum(n_out),
+                             "total_tokens": PROMPT_TOKENS + sum(n_out)}
+
+
+def test_chat_collect_logprobs_shape(tokenizer, tt):
+    items = _stream(tokenizer, TEXTS, _interleave(tokenizer, TEXTS), k=3)
+    body = _collect(ChatFormat(MODEL, tt, logprobs=True), items, 2)
+    for i, choice in enumerate(body["choices"]):
+        ids = tokenizer.encode(TEXTS[i], add_special_tokens=False)
+        content = choice["logprobs"]["content"]
+        assert [e["token"] for e in content] == [tokenizer.decode([t]) for t in ids]
+        assert "".join(e["token"] for e in content) == TEXTS[i]
+        for e in content:
+            assert e["logprob"] == pytest.approx(-0.1)
+            assert e["bytes"] == list(e["token"].encode())
+            assert len(e["top_logprobs"]) == 3
+            assert e["top_logprobs"][0]["token"] == e["token"]
+            values = [t["logprob"] for t in e["top_logprobs"]]
+            assert values == sorted(values, reverse=True)
+            assert all(set(t) == {"token", "logprob", "bytes"} for t in e["top_logprobs"])
+
+
+def test_chat_sse_n2_interleaved_with_usage_last(tokenizer, tt):
+    items = _stream(tokenizer, TEXTS, _interleave(tokenizer, TEXTS), k=2)
+    events = _sse(ChatFormat(MODEL, tt, logprobs=True), items, 2, include_usage=True)
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["object"] == "chat.completion.chunk"
+    total_out = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in TEXTS.values())
+    assert usage_chunk["usage"] == {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": total_out,
+                                    "total_tokens": PROMPT_TOKENS + total_out}
+    chunks = events[:-2]
+    assert all(c["usage"] is None for c in chunks)  # OpenAI: usage null on every other chunk
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    texts, finishes, lp_tokens = {0: "", 1: ""}, {}, {0: [], 1: []}
+    for c in chunks[2:]:
+        (choice,) = c["choices"]
+        i = choice["index"]
+        delta_text = choice["delta"].get("content", "")
+        texts[i] += delta_text
+        if choice["finish_reason"]:
+            assert i not in finishes
+            finishes[i] = choice["finish_reason"]
+        # each delta carries the logprobs of its own tokens
+        own = [e["token"] for e in choice["logprobs"]["content"]]
+        assert "".join(own) == delta_text
+        lp_tokens[i] += own
+        assert all(len(e["top_logprobs"]) == 2 for e in choice["logprobs"]["content"])
+    assert texts == TEXTS
+    assert finishes == {0: "stop", 1: "stop"}
+    assert {c["choices"][0]["index"] for c in chunks[2:]} == {0, 1}
+
+
+def test_chat_sse_without_usage_has_no_usage_key(tokenizer):
+    items = _stream(tokenizer, {0: "Hi there."}, [0, 0, 0])
+    events = _sse(ChatFormat(MODEL), items, 1)
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert all(e["choices"][0]["logprobs"] is None for e in events[:-1])
+
+
+def test_abort_is_reported_as_stop(tokenizer):
+    items = _stream(tokenizer, {0: "Hi there."}, [0, 0, 0], finish={0: "abort"})
+    assert _collect(ChatFormat(MODEL), items, 1)["choices"][0]["finish_reason"] == "stop"
+
+
+def test_error_first_raises_and_mid_stream_becomes_sse_error(tokenizer):
+    err = GenerationError("req-1", "boom", "standard", stage="engine", reason="engine_error")
+    with pytest.raises(OpenAIError) as info:
+        _collect(ChatFormat(MODEL), [err], 1)
+    assert info.value.status == 500
+    items = _stream(tokenizer, {0: "Hi there."}, [0, 0, 0])[:1] + [err]
+    events = _sse(ChatFormat(MODEL), items, 1)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["message"] == "boom"
+
+
+def test_bad_index_is_a_server_error(tokenizer):
+    items = _stream(tokenizer, {0: "Hi"}, [0])
+    items[0].index = 3
+    with pytest.raises(OpenAIError) as info:
+        _collect(ChatFormat(MODEL), items, 2)
+    assert info.value.status == 500
+
+
+def test_negative_infinity_logprob_is_floored(tt):
+    chunk = GenerationChunk("r", [11], ",", finish_reason="stop", num_prompt_tokens=1, num_output_tokens=1,
+                            logprobs=[TokenLogprobs(11, -math.inf, [(12, 0.0), (11, -math.inf)])])
+    body = _collect(ChatFormat(MODEL, tt, logprobs=True), [chunk], 1)
+    json.dumps(body, allow_nan=False)  # valid JSON
+    entry = body["choices"][0]["logprobs"]["content"][0]
+    assert entry["logprob"] == -9999.0 and entry["top_logprobs"][1]["logprob"] == -9999.0
+
+
+# ---- completions -----------------------------------------------------------------------------
+
+def test_completion_collect_logprobs_legacy_shape(tokenizer, tt):
+    items = _stream(tokenizer, TEXTS, _interleave(tokenizer, TEXTS), k=2)
+    # make one sampled token fall outside its top-2: it must still appear in top_logprobs
+    comma, period, _ = _alternatives(tokenizer)
+    items[0].logprobs = [TokenLogprobs(items[0].token_ids[0], -3.0, [(comma, -0.2), (period, -1.5)])]
+    body = _collect(CompletionFormat(MODEL, tt, logprobs=True), items, 2)
+    assert body["object"] == "text_completion"
+    for i, choice in enumerate(body["choices"]):
+        assert choice["text"] == TEXTS[i]
+        lp = choice["logprobs"]
+        assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+        assert "".join(lp["tokens"]) == TEXTS[i]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(len(lp["tokens"]))]
+        for tok, top in zip(lp["tokens"], lp["top_logprobs"], strict=True):
+            assert tok in top and 2 <= len(top) <= 3
+    first = body["choices"][0]["logprobs"]
+    assert first["token_logprobs"][0] == -3.0
+    assert first["top_logprobs"][0] == {",": -0.2, ".": -1.5, first["tokens"][0]: -3.0}
+
+
+def test_completion_echo_prepends_prompt_and_shifts_offsets(tokenizer, tt):
+    items = _stream(tokenizer, {0: " Paris."}, [0, 0])
+    body = _collect(CompletionFormat(MODEL, echo="The capital of France is"), items, 1)
+    assert body["choices"][0]["text"] == "The capital of France is Paris."
+    events = _sse(CompletionFormat(MODEL, echo="The capital of France is"), items, 1)
+    assert events[0]["choices"][0]["text"] == "The capital of France is"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "The capital of France is Paris."
+    # offsets count the echoed text (echo + logprobs is refused by the API, but the formatter is consistent)
+    items = _stream(tokenizer, {0: " Paris."}, [0, 0], k=0)
+    body = _collect(CompletionFormat(MODEL, tt, logprobs=True, echo="abc"), items, 1)
+    assert body["choices"][0]["logprobs"]["text_offset"][0] == 3
+
+
+def test_completion_sse_n2_with_usage(tokenizer, tt):
+    items = _stream(tokenizer, TEXTS, _interleave(tokenizer, TEXTS), k=1)
+    events = _sse(CompletionFormat(MODEL, tt, logprobs=True), items, 2, include_usage=True)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    assert events[-2]["usage"]["prompt_tokens"] == PROMPT_TOKENS
+    texts, offsets = {0: "", 1: ""}, {0: [], 1: []}
+    for e in events[:-2]:
+        (c,) = e["choices"]
+        assert e["object"] == "text_completion"
+        texts[c["index"]] += c["text"]
+        offsets[c["index"]] += c["logprobs"]["text_offset"]
+    assert texts == TEXTS
+    assert offsets[1][:3] == [0, len("The"), len("The answer")]
+
+
+def test_byte_level_tokens_report_raw_bytes(tokenizer, tt):
+    ids = tokenizer.encode("日本", add_special_tokens=False)
+    texts = [tt.text(t) for t in ids]
+    assert "\ufffd" in "".join(texts)  # a partial character renders as U+FFFD in the token text ...
+    assert bytes(b for t in ids for b in tt.bytes(t)).decode() == "日本"  # ... its bytes are exact
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tt.text(eos) == "<|im_end|>" and bytes(tt.bytes(eos)) == b"<|im_end|>"
+
+
+# ---- request mapping -------------------------------------------------------------------------
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_maps_every_sampling_field():
+    body = ChatCompletionRequest(model=MODEL, messages=FRANCE, n=3, seed=5, temperature=0.7, top_p=0.9, top_k=20,
+                                 min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                                 min_tokens=4, logprobs=True, top_logprobs=3, stop="x", ignore_eos=True)
+    body.check()
+    p = body.sampling_params(32)
+    assert (p.n, p.seed, p.temperature, p.top_p, p.top_k, p.min_p) == (3, 5, 0.7, 0.9, 20, 0.05)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert (p.min_tokens, p.logprobs, p.stop, p.ignore_eos, p.max_tokens) == (4, 3, ("x",), True, 32)
+
+
+@pytest.mark.parametrize("kwargs,k", [({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0),
+                                      ({"logprobs": True, "top_logprobs": 0}, 0),
+                                      ({"logprobs": True, "top_logprobs": 20}, 20)])
+def test_chat_logprobs_mapping(kwargs, k):
+    body = ChatCompletionRequest(model=MODEL, messages=FRANCE, **kwargs)
+    body.check()
+    assert body.sampling_params(8).logprobs == k
+
+
+@pytest.mark.parametrize("kwargs,k", [({}, None), ({"logprobs": 0}, 0), ({"logprobs": 5}, 5)])
+def test_completion_logprobs_mapping(kwargs, k):
+    body = CompletionRequest(model=MODEL, prompt="hi", **kwargs)
+    body.check()
+    assert body.sampling_params(8).logprobs == k
+
+
+def _error_param(cls, **kwargs) -> str | None:
+    """The ``param`` of the 400 that ``kwargs`` get, however it is raised (pydantic or check)."""
+    from pydantic import ValidationError
+
+    from deployments.protocol import validation_error
+
+    try:
+        body = cls(model=MODEL, **kwargs)
+        body.check()
+        body.sampling_params(16)
+    except ValidationError as exc:
+        return validation_error(exc.errors()).param
+    except OpenAIError as exc:
+        assert exc.status == 400
+        return exc.param
+    return None
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": 3}, "logprobs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 17}, "min_tokens"),  # above max_tokens
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"11": 5}}, "logit_bias"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"echo": True}, "echo"),
+    ({"best_of": 2}, "best_of"),
+])
+def test_chat_rejections_name_the_parameter(kwargs, param):
+    assert _error_param(ChatCompletionRequest, messages=FRANCE, **kwargs) == param
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"logprobs": 6}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"suffix": "!"}, "suffix"),
+    ({"best_of": 3}, "best_of"),
+    ({"logit_bias": {"11": 5}}, "logit_bias"),
+    ({"prompt_logprobs": 0}, "prompt_logprobs"),
+])
+def test_completion_rejections_name_the_parameter(kwargs, param):
+    assert _error_param(CompletionRequest, prompt="hi", **kwargs) == param
+
+
+@pytest.mark.parametrize("kwargs", [{"echo": True}, {"response_format": {"type": "text"}}, {"best_of": 1},
+                                    {"min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 16}])
+def test_completion_accepts(kwargs):
+    assert _error_param(CompletionRequest, prompt="hi", **kwargs) is None
+
+
+# ---- tokenize helpers ------------------------------------------------------------------------
+
+def test_tokenize_prompt_and_detokenize_round_trip(tokenizer):
+    out = tokenize(tokenizer, TokenizeRequest(model=MODEL, prompt="Hello, world!", return_token_strs=True), 1024)
+    assert out["tokens"] == tokenizer.encode("Hello, world!") and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == 1024 and len(out["token_strs"]) == out["count"]
+    assert detokenize(tokenizer, DetokenizeRequest(tokens=out["tokens"])) == {"prompt": "Hello, world!"}
+
+
+def test_tokenize_messages_matches_the_chat_prompt(tokenizer):
+    from deployments.protocol import ChatMessage
+
+    messages = [ChatMessage(**m) for m in FRANCE]
+    out = tokenize(tokenizer, TokenizeRequest(messages=FRANCE), 1024)
+    assert out["tokens"] == encode_chat(tokenizer, messages)
+    assert tokenizer.decode(out["tokens"]).endswith("<|im_start|>assistant\n")
+    no_gen = tokenize(tokenizer, TokenizeRequest(messages=FRANCE, add_generation_prompt=False), 1024)
+    assert no_gen["count"] < out["count"]
+
+
+@pytest.mark.parametrize("req,param", [
+    (DetokenizeRequest(tokens=[1, -1]), "tokens"),
+    (DetokenizeRequest(tokens=[10**9]), "tokens"),
+])
+def test_detokenize_rejects_bad_ids(tokenizer, req, param):
+    with pytest.raises(OpenAIError) as info:
+        detokenize(tokenizer, req)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_tokenize_needs_exactly_one_input(tokenizer):
+    for req in (TokenizeRequest(), TokenizeRequest(prompt="a", messages=FRANCE)):
+        with pytest.raises(OpenAIError):
+            tokenize(tokenizer, req, 1024)
