@@ -2,8 +2,9 @@
 
 Read top to bottom: RMSNorm → attention (RoPE, paged cache) → SwiGLU MLP →
 decoder layer → model. Module names mirror transformers' ``LlamaForCausalLM``
-so HF safetensors load with ``load_state_dict``; transformers is our test
-reference, not our runtime. Shapes: ``T`` = new tokens in this forward,
+except two fusions made at load (:func:`fuse_hf_weights`): q/k/v into one
+``qkv_proj`` and gate/up into one ``gate_up_proj``, so a decode step runs
+two GEMMs fewer per layer. transformers is our test reference, not our runtime. Shapes: ``T`` = new tokens in this forward,
 ``H`` = query heads, ``KVH`` = KV heads, ``D`` = head_dim.
 """
 
@@ -55,38 +56,62 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with one fused QKV projection (rows: q, then k, then v)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, planes: tuple[torch.Tensor, torch.Tensor]):
+    def project(self, x, cos, sin):
+        """``x [T, hidden]`` → rotated ``q [T, H, D]``, ``k [T, KVH, D]`` and ``v [T, KVH, D]``."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        return q, k, v.view(t, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, planes: tuple[torch.Tensor, torch.Tensor]):
+        q, k, v = self.project(x, cos, sin)
         write_kv(k, v, planes[0], planes[1], meta.slot_mapping)
         o = paged_attention(q, planes[0], planes[1], meta, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, -1))
+        return self.o_proj(o.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``, gate and up fused in one GEMM."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def fuse_hf_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename an HF Llama state dict to our fused layout (in place, returned).
+
+    ``q_proj``/``k_proj``/``v_proj`` rows are concatenated into ``qkv_proj``
+    and ``gate_proj``/``up_proj`` into ``gate_up_proj`` (weights and biases).
+    """
+    groups = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    layers = {k.split(".")[2] for k in weights if k.startswith("model.layers.")}
+    for i in layers:
+        for fused, parts in groups.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{i}.{p}.{kind}" for p in parts]
+                if all(n in weights for n in names):
+                    weights[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([weights.pop(n) for n in names])
+    return weights
 
 
 class DecoderLayer(nn.Module):
@@ -136,11 +161,13 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.norm(x[meta.last_token_indices.to(x.device)])  # [B, hidden]
         return self.lm_head(x).float()  # [B, vocab]
 
-    @torch.inference_mode()
     def decode_static(
         self, token: torch.Tensor, position: torch.Tensor, block_table: torch.Tensor, kv_planes: KVPlanes
     ) -> torch.Tensor:
         """One greedy-decode step with static shapes and no host sync (CUDA-graph capturable).
+
+        Call it under ``torch.inference_mode()``; it is left undecorated so
+        ``torch.compile`` can trace it whole.
 
         Args:
             token: ``[1]`` int64, the pending token (its KV is not yet in the cache).
@@ -158,11 +185,7 @@ class LlamaForCausalLM(nn.Module):
         sin = self.rope_sin[position].to(x.dtype)
         for layer, (kp, vp) in zip(self.model.layers, kv_planes, strict=True):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, attn.num_heads, attn.head_dim)
-            k = attn.k_proj(h).view(1, attn.num_kv_heads, attn.head_dim)
-            v = attn.v_proj(h).view(1, attn.num_kv_heads, attn.head_dim)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
             write_kv(k, v, kp, vp, slot)
             o = static_decode_attention(q, kp, vp, block_table, context_len, attn.scale)
             x = x + attn.o_proj(o.reshape(1, -1))
@@ -185,6 +208,7 @@ class LlamaForCausalLM(nn.Module):
         weights = load_safetensors(Path(path), dtype, device, progress=progress)
         if cfg.tie_word_embeddings:
             weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+        fuse_hf_weights(weights)
         expected = set(model.state_dict().keys())
         missing, unexpected = expected - weights.keys(), weights.keys() - expected
         if missing or unexpected:

@@ -75,6 +75,9 @@ class CudaGraphBackend(PersistentBackend):
         device: the lane's device.
         max_model_len: context limit; sets the padded block-table length.
         use_graphs: capture graphs (default: when ``device`` is CUDA).
+        compile_step: ``torch.compile`` the decode step before capture so
+            Inductor fuses its elementwise work (default: when graphs are used);
+            the compiled step is still replayed from our own graphs.
 
     Raises:
         UnsupportedConfigurationError: the model has no static decode step.
@@ -84,12 +87,14 @@ class CudaGraphBackend(PersistentBackend):
     checks_stop_set_on_device = True
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str, max_model_len: int,
-                 use_graphs: bool | None = None):
+                 use_graphs: bool | None = None, compile_step: bool | None = None):
         if not hasattr(model, "decode_static"):
             raise UnsupportedConfigurationError(f"{type(model).__name__} has no static decode step for CUDA graphs")
         self.model = model
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.compile_step = self.use_graphs if compile_step is None else compile_step
+        self._step = model.decode_static
         self.max_blocks = -(-max_model_len // PAGE_SIZE)
         self.buffers = QuantumBuffers.allocate(self.max_blocks, self.device)
         self._planes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -101,25 +106,29 @@ class CudaGraphBackend(PersistentBackend):
         if self.use_graphs:
             self._capture_all()
 
+    @torch.inference_mode()
     def _body(self, steps: int) -> None:
         """``steps`` greedy decode steps on the static buffers (what each graph records)."""
         b = self.buffers
         for s in range(steps):
-            logits = self.model.decode_static(b.token, b.position, b.block_table, self._planes)
+            logits = self._step(b.token, b.position, b.block_table, self._planes)
             nxt = logits.argmax(-1)  # [1]
             b.out_tokens[s:s + 1].copy_(nxt)
             b.count.add_(b.alive.long())
-            b.alive.logical_and_(~torch.isin(nxt, b.stop_ids))
+            b.alive.logical_and_((nxt.view(1, 1) != b.stop_ids.view(1, -1)).all(-1))
             b.token.copy_(nxt)
             b.position.add_(1)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        if self.compile_step:
+            self._step = torch.compile(self.model.decode_static, fullgraph=True, dynamic=False)
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm up (allocator, kernels) outside capture; writes land in page 0
-            self._body(1)
+        with torch.cuda.stream(side):  # warm up (compile, allocator) outside capture; writes land in page 0
+            for _ in range(3):
+                self._body(1)
         torch.cuda.current_stream(self.device).wait_stream(side)
         for steps in range(1, MAX_QUANTUM_TOKENS + 1):
             graph = torch.cuda.CUDAGraph()
