@@ -106,19 +106,18 @@ def paged_attention(
         pages = meta.block_tables[i][: (ctx + PAGE_SIZE - 1) // PAGE_SIZE]
         k = key_plane.index_select(0, pages).flatten(0, 1)[:ctx].to(query.dtype)  # [ctx, kvh, hd]
         v = value_plane.index_select(0, pages).flatten(0, 1)[:ctx].to(query.dtype)
-        q = query[start:end].transpose(0, 1)  # [h, q_len, hd]
-        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kvh, ctx, hd]
-        if num_heads != num_kv_heads:
-            rep = num_heads // num_kv_heads
-            k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, h, q_len, hd]
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, hd]
+        gqa = num_heads != num_kv_heads  # SDPA broadcasts KV heads itself (no repeat_interleave copies)
         if q_len == 1:
-            o = F.scaled_dot_product_attention(q, k, v, scale=scale)
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
         elif q_len == ctx:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:  # chunk of new tokens after cached context: query j sees keys <= ctx - q_len + j
-            qpos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
-            mask = torch.arange(ctx).unsqueeze(0) <= qpos
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            qpos = torch.arange(ctx - q_len, ctx, device=query.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=query.device).unsqueeze(0) <= qpos
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        o = o[0]
         out[start:end] = o.transpose(0, 1)
     return out
 

@@ -31,8 +31,17 @@ def otlp():
 
 
 @pytest.fixture(scope="session")
-def server(otlp):
-    """Base URL of the running app (auto mode); ``/off`` serves the off-mode app."""
+def tiny_gpt_oss(tmp_path_factory):
+    """A tiny random GPT-OSS checkpoint (HF format, MXFP4 experts) written by our maker."""
+    from ops.make_tiny_gpt_oss import make_tiny_gpt_oss
+
+    return make_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss") / "model")
+
+
+@pytest.fixture(scope="session")
+def server(otlp, tiny_gpt_oss):
+    """Base URL of the running app (auto mode); ``/off`` serves the off-mode app and
+    ``/gptoss`` a tiny random GPT-OSS checkpoint (auto mode)."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
@@ -45,6 +54,8 @@ def server(otlp):
               "tracing_endpoint": otlp.endpoint, "progress": False}
     serve.run(build_app({**common, "persistent_decoder": "auto"}), name="auto", route_prefix="/")
     serve.run(build_app({**common, "persistent_decoder": "off"}), name="off", route_prefix="/off")
+    serve.run(build_app({**common, "model": str(tiny_gpt_oss), "served_model_name": "tiny-gpt-oss",
+                         "max_model_len": 512, "num_kv_blocks": 64}), name="gptoss", route_prefix="/gptoss")
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -82,3 +93,4 @@ def client(server):
     yield c
     assert_pages_returned(server)
     assert_pages_returned(f"{server}/off")
+    assert_pages_returned(f"{server}/gptoss")
