@@ -15,7 +15,6 @@ from opentelemetry import trace
 
 from ops.tracing import ATTR_LANE, ATTR_REASON, SPAN_ROUTE, get_tracer, record_fallback
 from policy import (
-    AdmissionInput,
     Lane,
     Mode,
     PersistentLaneStatus,
@@ -62,21 +61,8 @@ class Router:
 
     def decide(self, g: GenerateRequest):
         """The lane decision for ``g`` (pure: policy admission + lane choice)."""
-        p = g.params
-        reason = check_admission(AdmissionInput(
-            enabled=self.mode is not Mode.OFF and self.persistent is not None,
-            num_sequences=g.num_sequences,
-            temperature=p.temperature,
-            top_k=p.top_k,
-            logprobs=g.logprobs,
-            has_logits_processing=g.params.has_logits_processing,
-            has_stop_strings=bool(p.stop),
-            has_stop_token_sequences=g.has_stop_token_sequences,
-            kv_transfer=g.kv_transfer,
-            committed_tokens=len(g.prompt_token_ids),
-            max_model_len=self.max_model_len,
-            remaining_output_tokens=p.max_tokens,
-        ))
+        enabled = self.mode is not Mode.OFF and self.persistent is not None
+        reason = check_admission(g.admission_input(self.max_model_len, enabled=enabled))
         return choose_lane(self.mode, reason, self._status())
 
     async def generate(self, g: GenerateRequest) -> AsyncIterator[GenerationChunk | GenerationError]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from policy import AdmissionInput
 from replicas.request import SamplingParams
 
 
@@ -40,6 +41,18 @@ class GenerateRequest:
     @property
     def logprobs(self) -> bool:
         return self.params.logprobs is not None
+
+    def admission_input(self, max_model_len: int, enabled: bool = True, queued_requests: int = 0) -> AdmissionInput:
+        """The facts ``policy.check_admission`` needs about this request (router and lane ask the same way)."""
+        p = self.params
+        return AdmissionInput(
+            enabled=enabled, queued_requests=queued_requests, num_sequences=p.n,
+            temperature=p.temperature, top_k=p.top_k, logprobs=self.logprobs,
+            has_logits_processing=p.has_logits_processing, has_stop_strings=bool(p.stop),
+            has_stop_token_sequences=self.has_stop_token_sequences, kv_transfer=self.kv_transfer,
+            committed_tokens=len(self.prompt_token_ids), max_model_len=max_model_len,
+            remaining_output_tokens=p.max_tokens,
+        )
 
 
 @dataclass

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from policy import AdmissionInput, check_admission, quantum_size
+from policy import check_admission, quantum_size
 from replicas.detokenizer import IncrementalDetokenizer
 from replicas.engine import EngineCore
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
@@ -67,22 +67,8 @@ class PersistentLane:
         return self._busy.locked()
 
     def _admission(self, g: GenerateRequest) -> str | None:
-        p = g.params
-        reason = check_admission(AdmissionInput(
-            enabled=True,
-            queued_requests=1 if self.busy else 0,
-            num_sequences=g.num_sequences,
-            temperature=p.temperature,
-            top_k=p.top_k,
-            logprobs=g.logprobs,
-            has_logits_processing=g.params.has_logits_processing,
-            has_stop_strings=bool(p.stop),
-            has_stop_token_sequences=g.has_stop_token_sequences,
-            kv_transfer=g.kv_transfer,
-            committed_tokens=len(g.prompt_token_ids),
-            max_model_len=self.core.config.max_model_len,
-            remaining_output_tokens=p.max_tokens,
-        ))
+        reason = check_admission(g.admission_input(
+            self.core.config.max_model_len, queued_requests=1 if self.busy else 0))
         if reason is not None:
             return reason.value
         if self.backend is None:
