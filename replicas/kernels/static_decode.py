@@ -60,3 +60,32 @@ def static_decode_attention(
         probs = torch.softmax(scores, -1)
     out = torch.einsum("kgl,lkd->kgd", probs, v.float())  # [KVH, G, D]
     return out.reshape(1, num_heads, head_dim).to(query.dtype)
+
+
+def decode_attention(query, key_plane, value_plane, block_table, context_len, scale, *, sinks=None,
+                     sliding_window=None, workspace=None):
+    """Dispatch: the Triton kernel on CUDA when Triton is installed, else the torch reference above.
+
+    Same arguments and result as :func:`static_decode_attention`; ``workspace``
+    is the Triton kernel's reusable scratch dict (ignored by the reference).
+    """
+    if query.is_cuda and _triton_kernel() is not None:
+        return _triton_kernel()(query, key_plane, value_plane, block_table, context_len, scale, sinks=sinks,
+                                sliding_window=sliding_window, workspace=workspace)
+    return static_decode_attention(query, key_plane, value_plane, block_table, context_len, scale, sinks=sinks,
+                                   sliding_window=sliding_window)
+
+
+_TRITON = []
+
+
+def _triton_kernel():
+    """The Triton kernel wrapped so ``torch.compile`` leaves it alone (it runs inside our CUDA graph), or None."""
+    if not _TRITON:
+        try:
+            from replicas.kernels.triton_decode_attention import triton_decode_attention
+        except ImportError:
+            _TRITON.append(None)
+        else:
+            _TRITON.append(torch.compiler.disable(triton_decode_attention))
+    return _TRITON[0]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
-from replicas.kernels.static_decode import static_decode_attention, static_slot
+from replicas.kernels.static_decode import decode_attention, static_slot
 from replicas.models.config import ModelConfig
 from replicas.models.loader import load_safetensors
 
@@ -148,6 +148,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBackbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self._decode_workspace: dict = {}  # scratch of the Triton decode kernel, reused by every layer
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -187,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
             attn = layer.self_attn
             q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
             write_kv(k, v, kp, vp, slot)
-            o = static_decode_attention(q, kp, vp, block_table, context_len, attn.scale)
+            o = decode_attention(q, kp, vp, block_table, context_len, attn.scale, workspace=self._decode_workspace)
             x = x + attn.o_proj(o.reshape(1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.model.norm(x)).float()

@@ -122,7 +122,9 @@ class CudaGraphBackend(PersistentBackend):
     @torch.inference_mode()
     def _capture_all(self) -> None:
         if self.compile_step:
-            self._step = torch.compile(self.model.decode_static, fullgraph=True, dynamic=False)
+            # not fullgraph: the Triton attention kernel is excluded from Inductor (a graph break costs
+            # Python time only while capturing; replays run the recorded kernels)
+            self._step = torch.compile(self.model.decode_static, dynamic=False)
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

@@ -1,0 +1,153 @@
+"""Triton paged decode attention for one query token (batch one), CUDA-graph capturable.
+
+Same contract as the torch reference
+:func:`replicas.kernels.static_decode.static_decode_attention`: the context
+length is read from device memory, so one compiled kernel (and one captured
+graph) serves every length; unlike the reference it reads only the pages that
+hold visible keys (``ceil(context_len / 16)`` of them, or the window's), not the
+whole padded block table.
+
+One program per (KV head, split): the G = H / KVH query heads that share a KV
+head are processed together (GQA), and the context is split across
+``num_splits`` programs (split-K, as in flash-decoding) whose partial results
+(running max, denominator, weighted sum) are merged by a second small kernel.
+Scores and the softmax are fp32; sinks add ``exp(sink)`` to the denominator
+(GPT-OSS, transformers' ``eager_attention_forward``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replicas.kernels.paged_attention import PAGE_SIZE
+
+TOKENS_PER_ITER = 64
+"""Keys per inner iteration: four 16-token pages gathered into one tile."""
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+    scale, stride_kb, stride_kt, stride_kh, num_splits, window,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    offs_t = tl.arange(0, BLOCK)
+    g_mask = offs_g < G
+    q = tl.load(q_ptr + (kvh * G + offs_g)[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    ctx = tl.load(ctx_ptr)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx - window, 0)
+    span = ctx - lo
+    per_split = tl.cdiv(tl.cdiv(span, num_splits), BLOCK) * BLOCK
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, ctx)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for base in range(start, end, BLOCK):
+        pos = base + offs_t
+        valid = pos < end
+        page = tl.load(table_ptr + pos // PAGE, mask=valid, other=0)
+        addr = page * stride_kb + (pos % PAGE) * stride_kt + kvh * stride_kh
+        k = tl.load(k_ptr + addr[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [GP, BLOCK]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        v = tl.load(v_ptr + addr[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    out_row = (kvh * num_splits + split) * GP + offs_g
+    tl.store(part_m_ptr + out_row, m_i)
+    tl.store(part_l_ptr + out_row, l_i)
+    tl.store(part_o_ptr + out_row[:, None] * D + offs_d[None, :], acc)
+
+
+@triton.jit
+def _merge_kernel(
+    part_m_ptr, part_l_ptr, part_o_ptr, sinks_ptr, out_ptr, num_splits,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLITS_P: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    s_mask = offs_s < num_splits
+    rows = (kvh * num_splits + offs_s)[:, None] * GP + offs_g[None, :]  # [S, GP]
+    m = tl.load(part_m_ptr + rows, mask=s_mask[:, None], other=float("-inf"))
+    den = tl.load(part_l_ptr + rows, mask=s_mask[:, None], other=0.0)
+    m_all = tl.max(m, 0)  # [GP]
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + kvh * G + offs_g, mask=offs_g < G, other=float("-inf")).to(tl.float32)
+        m_all = tl.maximum(m_all, sink)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp(m - m_safe[None, :])  # [S, GP]
+    denom = tl.sum(den * w, 0)
+    if HAS_SINKS:
+        denom += tl.exp(sink - m_safe)
+    acc = tl.zeros([GP, D], tl.float32)
+    for s in range(0, num_splits):
+        row = (kvh * num_splits + s) * GP + offs_g
+        ms = tl.load(part_m_ptr + row)
+        o = tl.load(part_o_ptr + row[:, None] * D + offs_d[None, :])
+        acc += o * tl.exp(ms - m_safe)[:, None]
+    out = acc / denom[:, None]
+    g_mask = offs_g < G
+    tl.store(out_ptr + (kvh * G + offs_g)[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g_mask[:, None])
+
+
+def triton_decode_attention(
+    query: torch.Tensor, key_plane: torch.Tensor, value_plane: torch.Tensor,
+    block_table: torch.Tensor, context_len: torch.Tensor, scale: float, *,
+    sinks: torch.Tensor | None = None, sliding_window: int | None = None, num_splits: int = 16,
+    workspace: dict | None = None,
+) -> torch.Tensor:
+    """Decode attention of ``query`` ``[1, H, D]`` over its paged context; see the module docstring.
+
+    Args:
+        key_plane, value_plane: ``[num_blocks, PAGE_SIZE, KVH, D]``, contiguous in the last two dims.
+        block_table: ``[max_blocks]`` int64 page ids; context_len: ``[1]`` int64 (on the device).
+        num_splits: programs per KV head along the context (split-K).
+        workspace: optional dict reused across calls for the partial buffers (keeps a
+            captured graph's allocations fixed).
+
+    Returns:
+        ``[1, H, D]`` in ``query.dtype``.
+    """
+    _, num_heads, head_dim = query.shape
+    kvh = key_plane.shape[2]
+    group = num_heads // kvh
+    gp = max(16, triton.next_power_of_2(group))
+    ws = workspace if workspace is not None else {}
+    key = (kvh, num_splits, gp, head_dim, query.device)
+    if ws.get("key") != key:
+        ws.update(key=key,
+                  m=torch.empty(kvh * num_splits * gp, dtype=torch.float32, device=query.device),
+                  l=torch.empty(kvh * num_splits * gp, dtype=torch.float32, device=query.device),
+                  o=torch.empty(kvh * num_splits * gp, head_dim, dtype=torch.float32, device=query.device))
+    out = torch.empty_like(query)
+    q = query.reshape(num_heads, head_dim).contiguous()
+    _split_kernel[(kvh, num_splits)](
+        q, key_plane, value_plane, block_table, context_len, ws["m"], ws["l"], ws["o"],
+        scale, key_plane.stride(0), key_plane.stride(1), key_plane.stride(2), num_splits,
+        sliding_window or 0,
+        G=group, GP=gp, D=head_dim, PAGE=PAGE_SIZE, BLOCK=TOKENS_PER_ITER, HAS_WINDOW=sliding_window is not None,
+        PRECISION="ieee" if query.dtype == torch.float32 else None,
+    )
+    _merge_kernel[(kvh,)](
+        ws["m"], ws["l"], ws["o"], sinks if sinks is not None else q, out, num_splits,
+        G=group, GP=gp, D=head_dim, SPLITS_P=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
+    )
+    return out
