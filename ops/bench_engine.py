@@ -186,6 +186,50 @@ def count_kernels_per_token(backend) -> int | None:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
+def kernel_breakdown(backend, context: int) -> tuple[list[tuple[str, int, float]], float, float]:
+    """Where one decode step's GPU time goes, and the host gap of a quantum.
+
+    Profiles one step of the (compiled) static body at ``context`` tokens and
+    groups CUDA kernels by name. Also times an 8-step graph replay with CUDA
+    events (GPU time) against the wall clock of the same replay plus its read-back.
+
+    Returns:
+        ``[(kernel, count, total_us)]`` sorted by time, GPU ms per 8-step quantum,
+        wall ms per 8-step quantum.
+    """
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    b = backend.buffers
+    b.position.fill_(context)
+    b.block_table.copy_(torch.arange(backend.max_blocks, device=backend.device))
+    backend._body(1)
+    torch.cuda.synchronize(backend.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        b.position.fill_(context)
+        backend._body(1)
+        torch.cuda.synchronize(backend.device)
+    groups: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            groups[e.name[:60]].append(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
+    rows = sorted(((k, len(v), sum(v)) for k, v in groups.items()), key=lambda r: -r[2])
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    walls, gpus = [], []
+    for _ in range(20):
+        b.position.fill_(context)
+        torch.cuda.synchronize(backend.device)
+        t = time.perf_counter()
+        start.record()
+        backend._graphs[8].replay()
+        stop.record()
+        torch.cat([b.out_tokens, b.count]).tolist()
+        walls.append((time.perf_counter() - t) * 1e3)
+        gpus.append(start.elapsed_time(stop))
+    return rows, statistics.median(gpus), statistics.median(walls)
+
+
 def bytes_per_token(core, context: int) -> float:
     """Weights read once (tied embeddings counted once) + K and V of ``context`` tokens in every layer."""
     params = {id(p): p for p in core.model.parameters()}
@@ -263,9 +307,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     p.add_argument("--hf-compile", action="store_true", help="also time transformers static cache + compile")
     p.add_argument("--tokenizer", help="tokenizer directory (detokenize like a server would)")
+    p.add_argument("--profile", action="store_true",
+                   help="only the cuda_graph lane: per-kernel breakdown of one decode step and the host gap")
     p.add_argument("--json", help="write rows as JSON here")
     p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     args = p.parse_args(argv)
+    if args.profile:
+        return profile_main(args)
     rows = run(args)
     text = table(rows)
     if args.json:
@@ -276,12 +324,40 @@ def main(argv: list[str] | None = None) -> list[Row]:
     return rows
 
 
-def write_docs(text: str, args) -> None:
+def profile_main(args) -> list:
+    """``--profile``: print (and with ``--write-docs`` record) where a decode step's time goes."""
+    from replicas.persistent.contract import CacheBinding
+    from replicas.persistent.cuda_graph import CudaGraphBackend
+
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        raise SystemExit("--profile needs a CUDA device (it profiles CUDA kernels and graph replays)")
+    max_len = args.prompt_len + args.new_tokens + 16
+    core = build_core(TINY if args.tiny else SMOLLM2_135M, device, getattr(torch, args.dtype), max_len)
+    backend = CudaGraphBackend(core.model, device, max_len)
+    backend.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
+    rows, gpu_ms, wall_ms = kernel_breakdown(backend, args.prompt_len + args.new_tokens // 2)
+    total = sum(r[2] for r in rows)
+    lines = ["| kernel | launches/step | µs/step | share |", "|---|---|---|---|"]
+    lines += [f"| `{k}` | {n} | {t:.1f} | {t / total:.1%} |" for k, n, t in rows[:15]]
+    lines.append(f"| (all {sum(r[1] for r in rows)} launches) | | {total:.1f} | |")
+    text = "\n".join(lines) + (
+        f"\n\n8-step quantum: GPU {gpu_ms:.3f} ms (CUDA events around the graph replay), "
+        f"wall {wall_ms:.3f} ms with the read-back: host gap {wall_ms - gpu_ms:.3f} ms per quantum.\n")
+    print(text)
+    if args.write_docs:
+        write_docs(text, args, marker="bench_profile", title="Where a decode step's time goes (`--profile`)",
+                   command="python -m ops.bench_engine --profile")
+    return rows
+
+
+def write_docs(text: str, args, marker: str = "bench_engine", title: str = "Engine, batch one (`ops/bench_engine.py`)",
+               command: str | None = None) -> None:
     path = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-    start, end = "<!-- bench_engine:start -->", "<!-- bench_engine:end -->"
-    section = (f"{start}\n## Engine, batch one (`ops/bench_engine.py`)\n\nCommand: `python -m ops.bench_engine "
-               f"--prompt-len {args.prompt_len} --new-tokens {args.new_tokens} --reps {args.reps}"
-               f"{' --hf-compile' if args.hf_compile else ''}`\nMachine: {machine()}\n\n{text}\n{end}")
+    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+    command = command or (f"python -m ops.bench_engine --prompt-len {args.prompt_len} --new-tokens "
+                          f"{args.new_tokens} --reps {args.reps}{' --hf-compile' if args.hf_compile else ''}")
+    section = f"{start}\n## {title}\n\nCommand: `{command}`\nMachine: {machine()}\n\n{text}\n{end}"
     doc = path.read_text() if path.exists() else "# Benchmarks\n"
     if start in doc:
         doc = doc[: doc.index(start)] + section + doc[doc.index(end) + len(end):]
