@@ -89,3 +89,40 @@ def _triton_kernel():
         else:
             _TRITON.append(torch.compiler.disable(triton_decode_attention))
     return _TRITON[0]
+
+
+def rope_kv_write(attn, x, cos_table, sin_table, position, block_table, key_plane, value_plane):
+    """Project ``x`` ``[1, hidden]`` with ``attn``'s fused qkv, rotate q/k, write k/v to the cache; return q ``[1, H, D]``.
+
+    One Triton launch after the GEMM on CUDA (:mod:`replicas.kernels.triton_rope_kv`); the torch
+    path elsewhere (``attn.project`` + :func:`~replicas.kernels.paged_attention.write_kv`).
+    """
+    qkv = attn.qkv_proj(x)
+    if x.is_cuda and _fused_rope_kv() is not None:
+        return _fused_rope_kv()(qkv, cos_table, sin_table, position, block_table, key_plane, value_plane,
+                                attn.num_heads, attn.num_kv_heads)
+    from replicas.kernels.paged_attention import write_kv
+    from replicas.models.llama import apply_rope
+
+    t, d = x.shape[0], attn.head_dim
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    cos, sin = cos_table[position].to(x.dtype), sin_table[position].to(x.dtype)
+    q = apply_rope(q.view(t, attn.num_heads, d), cos, sin)
+    k = apply_rope(k.view(t, attn.num_kv_heads, d), cos, sin)
+    write_kv(k, v.view(t, attn.num_kv_heads, d), key_plane, value_plane, static_slot(block_table, position))
+    return q
+
+
+_ROPE_KV = []
+
+
+def _fused_rope_kv():
+    """The fused Triton RoPE + KV-write kernel, hidden from ``torch.compile``, or None without Triton."""
+    if not _ROPE_KV:
+        try:
+            from replicas.kernels.triton_rope_kv import triton_rope_kv
+        except ImportError:
+            _ROPE_KV.append(None)
+        else:
+            _ROPE_KV.append(torch.compiler.disable(triton_rope_kv))
+    return _ROPE_KV[0]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
-from replicas.kernels.static_decode import decode_attention, static_slot
+from replicas.kernels.static_decode import decode_attention, rope_kv_write
 from replicas.models.config import ModelConfig
 from replicas.models.loader import load_safetensors
 
@@ -179,15 +179,12 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             ``[1, vocab]`` fp32 logits for the next token.
         """
-        slot = static_slot(block_table, position)
         context_len = position + 1
         x = self.model.embed_tokens(token)  # [1, hidden]
-        cos = self.rope_cos[position].to(x.dtype)  # [1, D]
-        sin = self.rope_sin[position].to(x.dtype)
         for layer, (kp, vp) in zip(self.model.layers, kv_planes, strict=True):
             attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
-            write_kv(k, v, kp, vp, slot)
+            q = rope_kv_write(attn, layer.input_layernorm(x), self.rope_cos, self.rope_sin, position, block_table,
+                              kp, vp)  # [1, H, D]; k and v are in the cache
             o = decode_attention(q, kp, vp, block_table, context_len, attn.scale, workspace=self._decode_workspace)
             x = x + attn.o_proj(o.reshape(1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
