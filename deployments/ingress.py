@@ -158,7 +158,14 @@ class OpenAIIngress:
                 f"has {len(ids)} tokens (prompt + at least 1 output token must fit).",
                 param="messages" if hasattr(body, "messages") else "prompt", code="context_length_exceeded")
         limit = body.output_limit()
-        return GenerateRequest(new_id("req"), ids, body.sampling_params(min(limit, room) if limit else room))
+        if limit is not None and limit > room:  # as OpenAI and vLLM: refuse, do not silently truncate
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(ids) + limit} tokens ({len(ids)} in the prompt, {limit} for the completion). Please reduce "
+                "the prompt or the completion length.",
+                param="max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens",
+                code="context_length_exceeded")
+        return GenerateRequest(new_id("req"), ids, body.sampling_params(limit or room))
 
     async def _serve(self, body, ids: list[int], chat: bool, echo: str = ""):
         g = self._request(body, ids)

@@ -11,7 +11,15 @@ import time
 import uuid
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from replicas.request import SamplingParams
 
@@ -111,6 +119,14 @@ class _SamplingFields(BaseModel):
 
     unsupported_extras: ClassVar[tuple[str, ...]] = UNSUPPORTED_EXTRAS
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_mean_default(cls, data):
+        """OpenAI clients may send ``null`` for any optional field: it means "use the default"."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, v):
@@ -119,7 +135,7 @@ class _SamplingFields(BaseModel):
         stops = [v] if isinstance(v, str) else v
         if len(stops) > 4:
             raise ValueError("at most 4 stop sequences are allowed")
-        return stops
+        return [x for x in stops if x]  # an empty stop string can never match
 
     def check(self) -> None:
         """Raise a 400 :class:`OpenAIError` naming the first parameter we cannot honour."""

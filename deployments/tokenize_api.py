@@ -44,6 +44,12 @@ def encode_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
                 add_special_tokens: bool = False) -> list[int]:
     """The prompt ids of a chat request (chat template applied)."""
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    for i, turn in enumerate(conversation):
+        try:
+            turn["content"].encode("utf-8")
+        except UnicodeEncodeError as exc:  # e.g. a lone UTF-16 surrogate escaped in the JSON
+            raise OpenAIError(f"messages[{i}].content is not valid Unicode text ({exc.reason} at "
+                              f"position {exc.start})", param=f"messages.{i}.content") from exc
     try:
         if add_special_tokens:
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,

@@ -209,3 +209,20 @@ def test_each_engine_actor_runs_in_its_replicas_placement_group(server):
         assert s["replica_placement_group_id"], s
         assert s["engine_placement_group_id"] == s["replica_placement_group_id"], s
     assert stats["standard"]["replica_placement_group_id"] != stats["persistent"]["replica_placement_group_id"]
+
+
+def test_nulls_mean_defaults_and_empty_stop_is_ignored(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=FRANCE, max_tokens=12,
+        extra_body={"temperature": 0, "n": None, "top_p": None, "presence_penalty": None, "stop": [""]})
+    assert raw.headers["x-lane"] == "persistent"  # "" is no stop string: still eligible
+    assert "Paris" in raw.parse().choices[0].message.content
+
+
+def test_max_tokens_past_the_context_is_refused_not_truncated(server):
+    long = [{"role": "user", "content": "word " * 900}]
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=30,
+                   json={"model": MODEL, "messages": long, "max_tokens": 500})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens" and "1024" in err["message"]
