@@ -95,7 +95,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.leader is not None and not req.leader.is_finished and not req.leader.prefill_done:
                 break  # an n>1 sibling waits for its leader's prompt pages (FCFS: nothing jumps it)
-            hits = self._prefix_hits(req)
+            hits, hashes = self._prefix_hits(req)
             cached = len(hits) * PAGE_SIZE
             n = req.num_tokens - cached
             if self.config.enable_chunked_prefill:
@@ -110,18 +110,20 @@ class Scheduler:
             req.block_table = list(hits) + self.allocator.allocate(need)
             req.num_computed_tokens = cached
             req.num_cached_tokens = cached
-            req.page_hashes = page_hashes(req.all_token_ids)[: len(hits)]
+            req.page_hashes = hashes[: len(hits)]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.append((req, n))
             budget -= n
 
-    def _prefix_hits(self, req: Request) -> list[int]:
-        """Cached pages for ``req``'s prefix, leaving at least one token to compute (its logits are needed)."""
+    def _prefix_hits(self, req: Request) -> tuple[list[int], list[bytes]]:
+        """Cached pages for ``req``'s prefix (leaving at least one token to compute: its logits are
+        needed) and the hashes of the pages looked up."""
         if not self.allocator.enable_prefix_caching:
-            return []
+            return [], []
         usable = (req.num_tokens - 1) // PAGE_SIZE
-        return self.allocator.match_prefix(page_hashes(req.all_token_ids[: usable * PAGE_SIZE]))
+        hashes = page_hashes(req.all_token_ids[: usable * PAGE_SIZE])
+        return self.allocator.match_prefix(hashes), hashes
 
     def commit_computed(self, req: Request, num_new: int) -> None:
         """Advance ``req`` by ``num_new`` computed tokens and register its newly full pages."""

@@ -14,6 +14,17 @@ from pathlib import Path
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 
+def eos_token_ids(raw: dict, generation: dict | None = None) -> tuple[int, ...]:
+    """EOS ids from ``generation_config.json`` then ``config.json`` (each an int or a list), deduplicated in order."""
+    eos: list[int] = []
+    for src in (generation or {}, raw):
+        value = src.get("eos_token_id")
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and int(v) not in eos:
+                eos.append(int(v))
+    return tuple(eos)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture facts of a decoder-only transformer.
@@ -92,12 +103,7 @@ class ModelConfig:
         rope_type = rope.get("rope_type", (raw.get("rope_scaling") or {}).get("rope_type", "default"))
         if rope_type not in ("default", None):
             raise ValueError(f"unsupported RoPE scaling {rope_type!r} for {model_type}")
-        eos: list[int] = []
-        for src in (generation or {}, raw):
-            value = src.get("eos_token_id")
-            for v in value if isinstance(value, list) else [value]:
-                if v is not None and int(v) not in eos:
-                    eos.append(int(v))
+        eos = eos_token_ids(raw, generation)
         return cls(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from replicas.models.config import eos_token_ids
+
 MODEL_TYPE = "gpt_oss"
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -172,12 +174,7 @@ class GptOssConfig:
         num_experts = int(raw.get("num_local_experts") or raw.get("num_experts"))
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_local_experts={num_experts}]")
-        eos: list[int] = []
-        for src in (generation or {}, raw):
-            value = src.get("eos_token_id")
-            for v in value if isinstance(value, list) else [value]:
-                if v is not None and int(v) not in eos:
-                    eos.append(int(v))
+        eos = eos_token_ids(raw, generation)
         return cls(
             model_type=MODEL_TYPE,
             vocab_size=int(raw["vocab_size"]),

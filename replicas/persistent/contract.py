@@ -152,6 +152,14 @@ class QuantumRequest:
     stop_token_ids: tuple[int, ...] = ()
 
 
+    @property
+    def stop_set(self) -> tuple[int, ...]:
+        """The ids that end the quantum: none with ``ignore_eos``, else ``stop_token_ids`` or ``(eos_token_id,)``."""
+        if self.ignore_eos:
+            return ()
+        return tuple(self.stop_token_ids) or (self.eos_token_id,)
+
+
 @dataclass
 class QuantumResult:
     """What one launch produced.
@@ -170,6 +178,19 @@ class QuantumResult:
     committed_kv_length: int = 0
     pending_token: int = -1
     completed_epochs: int = 0
+
+
+def check_launchable(req: QuantumRequest, cache_bound: bool) -> None:
+    """Every backend's checks before a launch: a bound cache, a valid request, not cancelled.
+
+    Raises:
+        PrelaunchError: nothing has run, the request may fall back.
+    """
+    if not cache_bound:
+        raise PrelaunchError("no KV cache bound", "unsupported_envelope")
+    validate_request(req)
+    if req.cancellation_flag is not None and req.cancellation_flag.is_set():
+        raise PrelaunchError("cancelled before launch", "cancelled")
 
 
 def validate_request(req: QuantumRequest) -> None:

@@ -29,7 +29,7 @@ from replicas.persistent.contract import (
     QuantumRequest,
     QuantumResult,
     UnsupportedConfigurationError,
-    validate_request,
+    check_launchable,
 )
 
 MAX_STOP_IDS = 16
@@ -141,12 +141,8 @@ class CudaGraphBackend(PersistentBackend):
 
     @torch.inference_mode()
     def run_quantum(self, req: QuantumRequest) -> QuantumResult:
-        if self._planes is None:
-            raise PrelaunchError("no KV cache bound", "unsupported_envelope")
-        validate_request(req)
-        if req.cancellation_flag is not None and req.cancellation_flag.is_set():
-            raise PrelaunchError("cancelled before launch", "cancelled")
-        stop = () if req.ignore_eos else (tuple(req.stop_token_ids) or (req.eos_token_id,))
+        check_launchable(req, self._planes is not None)
+        stop = req.stop_set
         if len(stop) > MAX_STOP_IDS:
             raise PrelaunchError(f"{len(stop)} stop ids; the on-device check holds {MAX_STOP_IDS}", "unsupported_envelope")
         pages = req.full_block_map.numel()

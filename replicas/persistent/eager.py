@@ -14,10 +14,9 @@ from replicas.persistent.contract import (
     BackendLaunchError,
     CacheBinding,
     PersistentBackend,
-    PrelaunchError,
     QuantumRequest,
     QuantumResult,
-    validate_request,
+    check_launchable,
 )
 
 
@@ -42,12 +41,8 @@ class EagerBackend(PersistentBackend):
 
     @torch.inference_mode()
     def run_quantum(self, req: QuantumRequest) -> QuantumResult:
-        if self._planes is None:
-            raise PrelaunchError("no KV cache bound", "unsupported_envelope")
-        validate_request(req)
-        if req.cancellation_flag is not None and req.cancellation_flag.is_set():
-            raise PrelaunchError("cancelled before launch", "cancelled")
-        stop_ids = set(req.stop_token_ids) or {req.eos_token_id}
+        check_launchable(req, self._planes is not None)
+        stop_ids = set(req.stop_set)
         block_map = req.full_block_map.to(self.device, torch.long)
         pending, committed = req.pending_token, req.committed_kv_length
         emitted: list[int] = []
@@ -66,7 +61,7 @@ class EagerBackend(PersistentBackend):
                 pending = int(logits[0].argmax())
                 committed += 1
                 emitted.append(pending)
-                if not req.ignore_eos and pending in stop_ids:
+                if pending in stop_ids:
                     finish = "eos"
                     break
                 if committed >= req.max_sequence_length:
