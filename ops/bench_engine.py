@@ -1,21 +1,33 @@
 """Engine benchmark: batch-one TTFT and TPOT of our lanes against transformers, on one device.
 
-No Ray: the engine parts are built directly. For each model shape (random
-weights generated on the device), one request with a ``--prompt-len`` token
-prompt generates ``--new-tokens`` tokens (EOS ignored) on:
+No Ray: the engine parts are built directly. For each model shape
+(``--shapes``: SmolLM2-135M with its real weights when ``--smollm2`` points at
+its GGUF or HF directory, else random ones; GPT-OSS-20b and -120b with random
+weights generated on the device, experts packed MXFP4 as in the released
+checkpoints), one request with a ``--prompt-len`` token prompt generates
+``--new-tokens`` tokens (EOS ignored) on:
 
 * ``persistent/cuda_graph`` — our persistent lane, quanta replayed from CUDA graphs;
 * ``persistent/eager`` — our persistent lane, reference backend;
 * ``standard`` — our continuous-batching lane at batch one;
-* ``hf/eager`` — transformers ``generate`` (same shape, its own random weights);
+* ``hf/eager`` — transformers ``generate`` (same shape, its own random bf16
+  weights; GPT-OSS experts dense bf16, so 120b does not fit one GPU and is skipped);
 * ``hf/static+compile`` — transformers with ``cache_implementation="static"``
   (transformers compiles the forward itself), when ``--hf-compile``.
 
-TTFT = time to the first token; TPOT = (time to the last token − TTFT) /
-(tokens − 1). Bytes per token = weights read + KV read at the mean context;
-the floor is that over the HBM bandwidth (``--bandwidth-tbps``, H200: 4.8).
+The slow lanes (our eager/standard lanes and the peers) generate
+``--slow-new-tokens`` tokens for the GPT-OSS shapes to bound the run time; the
+table's ``tokens`` column says how many each TPOT is over.
 
-Usage (H200): ``python -m ops.bench_engine --write-docs``;
+TTFT = time to the first token; TPOT = (time to the last token − TTFT) /
+(tokens − 1). Bytes per token = weights read for one token (every dense
+weight, the LM head once, one embedding row ignored, and for MoE layers only
+the ``K`` routed experts of ``E``) + the KV read at the mean context (window-
+limited on sliding layers); the floor is that over the HBM bandwidth
+(``--bandwidth-tbps``, H200: 4.8).
+
+Usage (H200): ``python -m ops.bench_engine --hf-compile --smollm2 PATH --write-docs``
+(``--profile`` adds the per-kernel breakdown of the last shape);
 CPU smoke run: ``python -m ops.bench_engine --device cpu --tiny``.
 """
 
@@ -52,6 +64,8 @@ class Row:
     bytes_per_token: float
     floor_ms: float
     kernels_per_token: float | None = None
+    tokens: int = 0
+    note: str = ""
 
     @property
     def fraction_of_floor(self) -> float:
@@ -69,10 +83,6 @@ class _NullTokenizer:
 
 def build_core(raw_cfg: dict, device: torch.device, dtype: torch.dtype, max_model_len: int, tokenizer=None):
     """An :class:`EngineCore` over a randomly initialised Llama-family model (std 0.02), on ``device``."""
-    from replicas.config import EngineConfig
-    from replicas.engine import EngineCore
-    from replicas.kv_cache import KVCache, PageAllocator
-    from replicas.model_runner import ModelRunner
     from replicas.models.config import ModelConfig
     from replicas.models.llama import LlamaForCausalLM, rope_tables
 
@@ -89,7 +99,60 @@ def build_core(raw_cfg: dict, device: torch.device, dtype: torch.dtype, max_mode
         model.lm_head.weight = model.model.embed_tokens.weight
     cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    model.eval()
+    return core_for(model.eval(), device, dtype, max_model_len, tokenizer)
+
+
+def build_gpt_oss_core(raw_cfg: dict, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                       tokenizer=None):
+    """An :class:`EngineCore` over a random GPT-OSS of ``raw_cfg``'s shape, generated on ``device``.
+
+    Dense weights ``N(0, 0.02)`` in ``dtype``, norms 1, sinks ``N(0, 1)``; experts random packed MXFP4
+    bytes with E8M0 scales 2**-9 .. 2**-4 (element magnitudes up to 6 * 2**-4, like trained experts).
+    Nothing is allocated on the host: gpt-oss-120b needs ~65 GB of device memory.
+    """
+    from replicas.models.gpt_oss import GptOssForCausalLM, rope_tables
+    from replicas.models.gpt_oss_config import GptOssConfig
+
+    cfg = GptOssConfig.from_dict(raw_cfg)
+    with torch.device("meta"):
+        model = GptOssForCausalLM(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("_blocks"):
+                t.random_(0, 256, generator=gen)
+            elif name.endswith("_scales"):
+                t.random_(118, 124, generator=gen)
+            elif "norm" in name:
+                t.fill_(1.0)
+            elif name.endswith("sinks"):
+                t.normal_(0.0, 1.0, generator=gen)
+            elif t.is_floating_point() and not name.startswith("rope_"):
+                t.normal_(0.0, 0.02, generator=gen)
+    cos, sin = rope_tables(cfg)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    return core_for(model.eval().fuse_qkv(), device, dtype, max_model_len, tokenizer)
+
+
+def load_smollm2_core(path: str, device: torch.device, dtype: torch.dtype, max_model_len: int):
+    """An :class:`EngineCore` over the real SmolLM2-135M-Instruct weights (GGUF file or HF directory)."""
+    from replicas.config import EngineConfig
+    from replicas.engine import EngineCore
+
+    return EngineCore.load(EngineConfig(model=path, device=str(device), dtype=str(dtype).removeprefix("torch."),
+                                        max_model_len=max_model_len, num_kv_blocks=2 * -(-max_model_len // 16) + 8,
+                                        enable_prefix_caching=False, progress=False))
+
+
+def core_for(model, device: torch.device, dtype: torch.dtype, max_model_len: int, tokenizer=None):
+    """Wrap ``model`` in an :class:`EngineCore` with a KV cache for two ``max_model_len`` sequences."""
+    from replicas.config import EngineConfig
+    from replicas.engine import EngineCore
+    from replicas.kv_cache import KVCache, PageAllocator
+    from replicas.model_runner import ModelRunner
+
+    cfg = model.config
     ecfg = EngineConfig(model="random", device=str(device), dtype=str(dtype).removeprefix("torch."),
                         max_model_len=max_model_len, num_kv_blocks=2 * -(-max_model_len // 16) + 8,
                         enable_prefix_caching=False, progress=False)
@@ -149,15 +212,33 @@ def time_standard(core, prompt: list[int], new_tokens: int, reps: int) -> tuple[
     return statistics.median(ttfts), statistics.median(tpots)
 
 
-def time_hf(raw_cfg: dict, device, dtype, prompt: list[int], new_tokens: int, reps: int, compile_: bool):
-    """Median (TTFT, TPOT) in ms of transformers ``generate`` (greedy) on a same-shape random model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_model(raw_cfg: dict, device, dtype):
+    """transformers' model for ``raw_cfg`` (Llama or GPT-OSS; experts dense), random weights, on ``device``."""
+    import transformers
 
-    hf_cfg = LlamaConfig(**{k: v for k, v in raw_cfg.items() if k != "model_type"})
     torch.manual_seed(0)
-    model = LlamaForCausalLM(hf_cfg).to(device=device, dtype=dtype).eval()
+    if raw_cfg["model_type"] == "gpt_oss":
+        kwargs = {k: v for k, v in raw_cfg.items() if k not in ("model_type", "quantization_config")}
+        cfg, cls = transformers.GptOssConfig(**kwargs), transformers.GptOssForCausalLM
+    else:
+        cfg = transformers.LlamaConfig(**{k: v for k, v in raw_cfg.items() if k != "model_type"})
+        cls = transformers.LlamaForCausalLM
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the target dtype directly (20b dense experts: 42 GB in bf16)
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def time_hf(model, device, prompt: list[int], new_tokens: int, reps: int, compile_: bool):
+    """Median (TTFT, TPOT) in ms of transformers ``generate`` (greedy) on ``model``."""
     if compile_:
         model.generation_config.cache_implementation = "static"
+    else:
+        model.generation_config.cache_implementation = None
     ids = torch.tensor([prompt], device=device)
     kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
 
@@ -230,13 +311,51 @@ def kernel_breakdown(backend, context: int) -> tuple[list[tuple[str, int, float]
     return rows, statistics.median(gpus), statistics.median(walls)
 
 
-def bytes_per_token(core, context: int) -> float:
-    """Weights read once (tied embeddings counted once) + K and V of ``context`` tokens in every layer."""
-    params = {id(p): p for p in core.model.parameters()}
-    weights = sum(p.numel() * p.element_size() for p in params.values())
-    cfg = core.model.config
-    kv = 2 * cfg.num_layers * context * cfg.num_kv_heads * cfg.head_dim * core.kv_cache.tensor.element_size()
-    return float(weights + kv)
+def bytes_per_token(model, context: int, kv_dtype_bytes: int) -> float:
+    """HBM bytes one decode token reads at ``context`` tokens: weights + KV.
+
+    Every parameter and packed buffer once (tied embeddings once, as the LM head), except the
+    embedding table (one row is read) and MoE experts (only ``K`` of ``E``: the routed ones);
+    K and V of ``context`` tokens in every layer (at most the window on sliding layers).
+    """
+    cfg = model.config
+    tensors = {id(t): (n, t) for n, t in [*model.named_parameters(), *model.named_buffers()]
+               if not n.startswith("rope_")}
+    embed = model.model.embed_tokens.weight
+    total = 0.0
+    for name, t in tensors.values():
+        size = t.numel() * t.element_size()
+        if t is embed and embed is not model.lm_head.weight:
+            continue
+        if ".experts." in name:
+            size *= cfg.experts_per_token / cfg.num_experts
+        total += size
+    for layer in model.model.layers:
+        window = getattr(layer.self_attn, "sliding_window", None)
+        tokens = min(context, window) if window else context
+        total += 2 * tokens * cfg.num_kv_heads * cfg.head_dim * kv_dtype_bytes
+    return total
+
+
+SHAPES = ("smollm2-135m", "gpt-oss-20b", "gpt-oss-120b")
+
+
+def shape_config(shape: str) -> dict:
+    """The architecture of a benchmark shape (``tiny`` / ``tiny-gpt-oss`` are CPU smoke shapes)."""
+    from ops.make_tiny_gpt_oss import real_config
+
+    if shape == "smollm2-135m":
+        return SMOLLM2_135M
+    if shape == "tiny":
+        return TINY
+    if shape.startswith("gpt-oss-"):
+        return real_config(shape.removeprefix("gpt-oss-"))
+    if shape == "tiny-gpt-oss":
+        return {**real_config("20b"), "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8,
+                "vocab_size": 512, "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0,
+                "eos_token_id": 1}
+    raise SystemExit(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}, tiny, tiny-gpt-oss")
 
 
 def run(args) -> list[Row]:
@@ -245,45 +364,85 @@ def run(args) -> list[Row]:
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    shapes = {"tiny": TINY} if args.tiny else {"smollm2-135m": SMOLLM2_135M}
     tokenizer = None
     if args.tokenizer:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     rows: list[Row] = []
-    for shape, raw in shapes.items():
+    for shape in args.shapes.split(","):
+        raw = shape_config(shape)
+        gpt_oss = raw["model_type"] == "gpt_oss"
+        slow_tokens = min(args.slow_new_tokens, args.new_tokens) if gpt_oss else args.new_tokens
         max_len = args.prompt_len + args.new_tokens + 16
-        core = build_core(raw, device, dtype, max_len, tokenizer)
+        real = shape == "smollm2-135m" and args.smollm2
+        t0 = time.perf_counter()
+        if real:
+            core = load_smollm2_core(args.smollm2, device, dtype, max_len)
+        elif gpt_oss:
+            core = build_gpt_oss_core(raw, device, dtype, max_len, tokenizer=None)
+        else:
+            core = build_core(raw, device, dtype, max_len, tokenizer)
+        label = shape + (" (real weights)" if real else "")
+        print(f"{label}: built in {time.perf_counter() - t0:.1f} s", flush=True)
         g = torch.Generator().manual_seed(1)
         prompt = torch.randint(3, raw["vocab_size"], (args.prompt_len,), generator=g).tolist()
-        bpt = bytes_per_token(core, args.prompt_len + args.new_tokens // 2)
+        bpt = bytes_per_token(core.model, args.prompt_len + args.new_tokens // 2, core.kv_cache.tensor.element_size())
         floor = bpt / (args.bandwidth_tbps * 1e12) * 1e3
 
-        def row(lane, ttft, tpot, kernels=None, shape=shape, bpt=bpt, floor=floor):
-            rows.append(Row(shape, lane, ttft, tpot, bpt, floor, kernels))
-            print(f"  {shape:14s} {lane:22s} TTFT {ttft:8.2f} ms  TPOT {tpot:8.3f} ms", flush=True)
+        def row(lane, timing, tokens, kernels=None, note="", label=label, bpt=bpt, floor=floor):
+            ttft, tpot = timing
+            rows.append(Row(label, lane, ttft, tpot, bpt, floor, kernels, tokens, note))
+            print(f"  {label:28s} {lane:22s} TTFT {ttft:8.2f} ms  TPOT {tpot:8.3f} ms  ({tokens} tokens)",
+                  flush=True)
 
         graph = CudaGraphBackend(core.model, device, max_len)
-        row("persistent/cuda_graph", *time_persistent(core, graph, prompt, args.new_tokens, args.reps),
-            count_kernels_per_token(graph))
-        row("persistent/eager", *time_persistent(core, EagerBackend(core.model, device), prompt,
-                                                 args.new_tokens, args.reps))
-        row("standard", *time_standard(core, prompt, args.new_tokens, args.reps))
-        if not args.no_hf:
-            row("hf/eager", *time_hf(raw, device, dtype, prompt, args.new_tokens, args.reps, False))
-            if args.hf_compile:
-                row("hf/static+compile", *time_hf(raw, device, dtype, prompt, args.new_tokens, args.reps, True))
+        row("persistent/cuda_graph", time_persistent(core, graph, prompt, args.new_tokens, args.reps),
+            args.new_tokens, count_kernels_per_token(graph))
+        if args.profile and shape == args.shapes.split(",")[-1]:
+            profile_rows(graph, args.prompt_len + args.new_tokens // 2, label, args)
+        del graph
+        row("persistent/eager", time_persistent(core, EagerBackend(core.model, device), prompt, slow_tokens,
+                                                1 if gpt_oss else args.reps), slow_tokens)
+        row("standard", time_standard(core, prompt, slow_tokens, 1 if gpt_oss else args.reps), slow_tokens)
         del core
+        _free(device)
+        if args.no_hf or (gpt_oss and raw["num_local_experts"] > 32 and not args.hf_120b):
+            continue
+        try:
+            hf = hf_model(raw, device, dtype)
+        except Exception as exc:  # noqa: BLE001 - out of memory, or a transformers version without the model
+            print(f"  transformers {shape}: not run ({type(exc).__name__}: {str(exc)[:120]})")
+            continue
+        for compile_ in (False, True) if args.hf_compile else (False,):
+            lane = "hf/static+compile" if compile_ else "hf/eager"
+            try:
+                row(lane, time_hf(hf, device, prompt, slow_tokens, 1 if gpt_oss else args.reps, compile_),
+                    slow_tokens, note="random weights" if real else "")
+            except Exception as exc:  # noqa: BLE001 - a peer failing is reported, not fatal
+                print(f"  {lane} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                rows.append(Row(label, lane, float("nan"), float("nan"), bpt, floor, None, 0,
+                                f"failed: {type(exc).__name__}"))
+        del hf
+        _free(device)
     return rows
 
 
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def table(rows: list[Row]) -> str:
-    head = ("| shape | lane | TTFT ms | TPOT ms | MB/token | floor ms | of floor | kernels/token |\n"
-            "|---|---|---|---|---|---|---|---|\n")
+    head = ("| shape | lane | tokens | TTFT ms | TPOT ms | MB/token | floor ms | of floor | kernels/token | note |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
-        f"| {r.shape} | {r.lane} | {r.ttft_ms:.2f} | {r.tpot_ms:.3f} | {r.bytes_per_token / 1e6:.1f} | "
-        f"{r.floor_ms:.4f} | {r.fraction_of_floor:.1%} | {r.kernels_per_token if r.kernels_per_token else ''} |\n"
+        f"| {r.shape} | {r.lane} | {r.tokens} | {r.ttft_ms:.2f} | {r.tpot_ms:.3f} | {r.bytes_per_token / 1e6:.1f} | "
+        f"{r.floor_ms:.4f} | {r.fraction_of_floor:.1%} | {r.kernels_per_token if r.kernels_per_token else ''} | "
+        f"{r.note} |\n"
         for r in rows)
     return head + body
 
@@ -295,59 +454,136 @@ def machine() -> str:
     return f"{gpu}; torch {torch.__version__}; transformers {transformers.__version__}; {time.strftime('%Y-%m-%d')}"
 
 
+KERNEL_CLASSES = (
+    ("MoE MXFP4 gate_up+SwiGLU", ("_gate_up_swiglu",)),
+    ("MoE MXFP4 down+sum", ("_down_sum",)),
+    ("attention split-K", ("_split_kernel",)),
+    ("attention merge", ("_merge_kernel",)),
+    ("RoPE + KV write", ("_rope_kv",)),
+    ("add + RMSNorm", ("_add_rmsnorm", "rms", "red_fused")),
+    ("router top-k", ("_router_topk",)),
+    ("GEMV/GEMM (cuBLAS)", ("gemv", "gemm", "sm90", "cutlass", "xmma", "splitK", "Kernel2")),
+    ("argmax / stop check", ("argmax", "arg_max", "reduce_kernel")),
+)
+
+
+def kernel_class(name: str) -> str:
+    """Coarse class of a CUDA kernel name (ours by function name, cuBLAS by its naming)."""
+    for cls, keys in KERNEL_CLASSES:
+        if any(k in name for k in keys):
+            return cls
+    return "other elementwise"
+
+
+def profile_rows(backend, context: int, label: str, args) -> str:
+    """Print (and with ``--write-docs`` record) where one decode step of ``backend``'s model goes."""
+    rows, gpu_ms, wall_ms = kernel_breakdown(backend, context)
+    total = sum(r[2] for r in rows)
+    launches = sum(r[1] for r in rows)
+    classes: dict[str, list[float]] = {}
+    for name, n, us in rows:
+        c = classes.setdefault(kernel_class(name), [0, 0.0])
+        c[0] += n
+        c[1] += us
+    lines = [f"Shape {label}, context {context}: one decode step profiled (kernels run back to back).", "",
+             "| kernel class | launches/step | µs/step | share |", "|---|---|---|---|"]
+    lines += [f"| {c} | {n} | {us:.1f} | {us / total:.1%} |"
+              for c, (n, us) in sorted(classes.items(), key=lambda kv: -kv[1][1])]
+    lines.append(f"| all | {launches} | {total:.1f} | |")
+    lines += ["", "| top kernels | launches/step | µs/step |", "|---|---|---|"]
+    lines += [f"| `{k}` | {n} | {t:.1f} |" for k, n, t in rows[:12]]
+    step_gpu = gpu_ms / 8
+    lines += ["", f"8-step quantum replayed from its CUDA graph: GPU {gpu_ms:.3f} ms ({step_gpu:.3f} ms/token; "
+              f"kernels alone {total / 1e3:.3f} ms/token, so {max(step_gpu - total / 1e3, 0) * 1e3 / max(launches, 1):.2f} "
+              f"µs between consecutive kernels inside the graph), wall {wall_ms:.3f} ms with the read-back: "
+              f"host gap {wall_ms - gpu_ms:.3f} ms per quantum."]
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    if args.write_docs:
+        write_docs(text, args, marker="bench_profile", title="Where a decode step's time goes (`--profile`)",
+                   command=f"python -m ops.bench_engine --profile --shapes {args.shapes}")
+    return text
+
+
+def plot(rows: list[Row], path: Path) -> bool:
+    """TPOT per shape and lane as a bar chart (log scale) with each shape's floor; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    shapes = list(dict.fromkeys(r.shape for r in rows))
+    lanes = list(dict.fromkeys(r.lane for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(lanes)
+    for j, lane in enumerate(lanes):
+        xs, ys = [], []
+        for i, shape in enumerate(shapes):
+            match = [r for r in rows if r.shape == shape and r.lane == lane and r.tpot_ms == r.tpot_ms]
+            if match:
+                xs.append(i + (j - (len(lanes) - 1) / 2) * width)
+                ys.append(match[0].tpot_ms)
+        ax.bar(xs, ys, width, label=lane)
+    for i, shape in enumerate(shapes):
+        floor = next(r.floor_ms for r in rows if r.shape == shape)
+        ax.hlines(floor, i - 0.45, i + 0.45, colors="black", linestyles="dashed",
+                  label="bandwidth floor" if i == 0 else None)
+    ax.set_xticks(range(len(shapes)), shapes)
+    ax.set_yscale("log")
+    ax.set_ylabel("TPOT, ms/token (log)")
+    ax.set_title("Batch-one decode, prompt 1024 (lower is better)")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
+    p.add_argument("--smollm2", help="SmolLM2-135M-Instruct GGUF file or HF directory: real weights for that shape")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--slow-new-tokens", type=int, default=32,
+                   help="tokens for the slow lanes (our eager/standard, transformers) on GPT-OSS shapes")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--bandwidth-tbps", type=float, default=4.8, help="HBM bandwidth for the floor (H200: 4.8)")
-    p.add_argument("--tiny", action="store_true", help="a tiny Llama shape (CPU smoke run)")
+    p.add_argument("--tiny", action="store_true", help="tiny Llama and GPT-OSS shapes (CPU smoke run)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     p.add_argument("--hf-compile", action="store_true", help="also time transformers static cache + compile")
+    p.add_argument("--hf-120b", action="store_true", help="try transformers on gpt-oss-120b too (needs ~240 GB)")
     p.add_argument("--tokenizer", help="tokenizer directory (detokenize like a server would)")
     p.add_argument("--profile", action="store_true",
-                   help="only the cuda_graph lane: per-kernel breakdown of one decode step and the host gap")
+                   help="per-kernel breakdown of one decode step of the last shape, and the host gap")
     p.add_argument("--json", help="write rows as JSON here")
-    p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
+    p.add_argument("--plot", help="write a PNG bar chart here")
+    p.add_argument("--replot", help="only re-draw --plot from a --json file of an earlier run")
+    p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md (and docs/bench_engine.png)")
     args = p.parse_args(argv)
-    if args.profile:
-        return profile_main(args)
+    if args.tiny:
+        args.shapes = "tiny,tiny-gpt-oss"
+    if args.replot:
+        rows = [Row(**r) for r in json.loads(Path(args.replot).read_text())]
+        plot(rows, Path(args.plot or "docs/bench_engine.png"))
+        return rows
+    if args.profile and args.device == "cpu":
+        raise SystemExit("--profile needs a CUDA device (it profiles CUDA kernels and graph replays)")
     rows = run(args)
     text = table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    docs = Path(__file__).resolve().parents[1] / "docs"
     if args.write_docs:
         write_docs(text, args)
+        (docs / "bench_engine.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    if args.plot or args.write_docs:
+        if not plot(rows, Path(args.plot) if args.plot else docs / "bench_engine.png"):
+            print("matplotlib is not installed: no plot (re-draw later with --replot)")
     print("\n" + text)
-    return rows
-
-
-def profile_main(args) -> list:
-    """``--profile``: print (and with ``--write-docs`` record) where a decode step's time goes."""
-    from replicas.persistent.contract import CacheBinding
-    from replicas.persistent.cuda_graph import CudaGraphBackend
-
-    device = torch.device(args.device)
-    if device.type != "cuda":
-        raise SystemExit("--profile needs a CUDA device (it profiles CUDA kernels and graph replays)")
-    max_len = args.prompt_len + args.new_tokens + 16
-    core = build_core(TINY if args.tiny else SMOLLM2_135M, device, getattr(torch, args.dtype), max_len)
-    backend = CudaGraphBackend(core.model, device, max_len)
-    backend.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
-    rows, gpu_ms, wall_ms = kernel_breakdown(backend, args.prompt_len + args.new_tokens // 2)
-    total = sum(r[2] for r in rows)
-    lines = ["| kernel | launches/step | µs/step | share |", "|---|---|---|---|"]
-    lines += [f"| `{k}` | {n} | {t:.1f} | {t / total:.1%} |" for k, n, t in rows[:15]]
-    lines.append(f"| (all {sum(r[1] for r in rows)} launches) | | {total:.1f} | |")
-    text = "\n".join(lines) + (
-        f"\n\n8-step quantum: GPU {gpu_ms:.3f} ms (CUDA events around the graph replay), "
-        f"wall {wall_ms:.3f} ms with the read-back: host gap {wall_ms - gpu_ms:.3f} ms per quantum.\n")
-    print(text)
-    if args.write_docs:
-        write_docs(text, args, marker="bench_profile", title="Where a decode step's time goes (`--profile`)",
-                   command="python -m ops.bench_engine --profile")
     return rows
 
 
@@ -355,8 +591,9 @@ def write_docs(text: str, args, marker: str = "bench_engine", title: str = "Engi
                command: str | None = None) -> None:
     path = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
-    command = command or (f"python -m ops.bench_engine --prompt-len {args.prompt_len} --new-tokens "
-                          f"{args.new_tokens} --reps {args.reps}{' --hf-compile' if args.hf_compile else ''}")
+    command = command or (f"python -m ops.bench_engine --shapes {args.shapes} --prompt-len {args.prompt_len} "
+                          f"--new-tokens {args.new_tokens} --slow-new-tokens {args.slow_new_tokens} --reps {args.reps}"
+                          f"{' --hf-compile' if args.hf_compile else ''}{' --smollm2 PATH' if args.smollm2 else ''}")
     section = f"{start}\n## {title}\n\nCommand: `{command}`\nMachine: {machine()}\n\n{text}\n{end}"
     doc = path.read_text() if path.exists() else "# Benchmarks\n"
     if start in doc:

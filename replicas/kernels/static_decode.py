@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from replicas.kernels.paged_attention import PAGE_SIZE
+from replicas.kernels.triton_loader import lazy_kernel
 
 
 def static_slot(block_table: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -69,60 +70,65 @@ def decode_attention(query, key_plane, value_plane, block_table, context_len, sc
     Same arguments and result as :func:`static_decode_attention`; ``workspace``
     is the Triton kernel's reusable scratch dict (ignored by the reference).
     """
-    if query.is_cuda and _triton_kernel() is not None:
-        return _triton_kernel()(query, key_plane, value_plane, block_table, context_len, scale, sinks=sinks,
-                                sliding_window=sliding_window, workspace=workspace)
+    kernel = lazy_kernel("replicas.kernels.triton_decode_attention", "triton_decode_attention") if query.is_cuda \
+        else None
+    if kernel is not None:
+        return kernel(query, key_plane, value_plane, block_table, context_len, scale, sinks=sinks,
+                      sliding_window=sliding_window, workspace=workspace)
     return static_decode_attention(query, key_plane, value_plane, block_table, context_len, scale, sinks=sinks,
                                    sliding_window=sliding_window)
-
-
-_TRITON = []
-
-
-def _triton_kernel():
-    """The Triton kernel wrapped so ``torch.compile`` leaves it alone (it runs inside our CUDA graph), or None."""
-    if not _TRITON:
-        try:
-            from replicas.kernels.triton_decode_attention import triton_decode_attention
-        except ImportError:
-            _TRITON.append(None)
-        else:
-            _TRITON.append(torch.compiler.disable(triton_decode_attention))
-    return _TRITON[0]
 
 
 def rope_kv_write(attn, x, cos_table, sin_table, position, block_table, key_plane, value_plane):
     """Project ``x`` ``[1, hidden]`` with ``attn``'s fused qkv, rotate q/k, write k/v to the cache; return q ``[1, H, D]``.
 
-    One Triton launch after the GEMM on CUDA (:mod:`replicas.kernels.triton_rope_kv`); the torch
-    path elsewhere (``attn.project`` + :func:`~replicas.kernels.paged_attention.write_kv`).
+    ``attn`` has ``qkv_proj`` (callable), ``num_heads``, ``num_kv_heads``, ``head_dim``.
+    ``cos_table``/``sin_table`` are ``[max_pos, D]`` (Llama, halves repeated) or ``[max_pos, D/2]``
+    (GPT-OSS); both rotate the half-split pairs ``(i, i + D/2)``. One Triton launch after the GEMM on
+    CUDA (:mod:`replicas.kernels.triton_rope_kv`); the torch reference elsewhere.
     """
     qkv = attn.qkv_proj(x)
-    if x.is_cuda and _fused_rope_kv() is not None:
-        return _fused_rope_kv()(qkv, cos_table, sin_table, position, block_table, key_plane, value_plane,
-                                attn.num_heads, attn.num_kv_heads)
+    kernel = lazy_kernel("replicas.kernels.triton_rope_kv", "triton_rope_kv") if x.is_cuda else None
+    if kernel is not None:
+        return kernel(qkv, cos_table, sin_table, position, block_table, key_plane, value_plane,
+                      attn.num_heads, attn.num_kv_heads)
     from replicas.kernels.paged_attention import write_kv
-    from replicas.models.llama import apply_rope
 
-    t, d = x.shape[0], attn.head_dim
-    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    cos, sin = cos_table[position].to(x.dtype), sin_table[position].to(x.dtype)
-    q = apply_rope(q.view(t, attn.num_heads, d), cos, sin)
-    k = apply_rope(k.view(t, attn.num_kv_heads, d), cos, sin)
-    write_kv(k, v.view(t, attn.num_kv_heads, d), key_plane, value_plane, static_slot(block_table, position))
+    t, d, h, kvh = x.shape[0], attn.head_dim, attn.num_heads, attn.num_kv_heads
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    cos, sin = cos_table[position, : d // 2].to(x.dtype), sin_table[position, : d // 2].to(x.dtype)  # [T, D/2]
+    q, k = _rotate(q.view(t, h, d), cos, sin), _rotate(k.view(t, kvh, d), cos, sin)
+    write_kv(k, v.view(t, kvh, d), key_plane, value_plane, static_slot(block_table, position))
     return q
 
 
-_ROPE_KV = []
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE of ``x`` ``[T, heads, D]`` by ``cos``/``sin`` ``[T, D/2]`` (Su et al. 2021)."""
+    first, second = x.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
-def _fused_rope_kv():
-    """The fused Triton RoPE + KV-write kernel, hidden from ``torch.compile``, or None without Triton."""
-    if not _ROPE_KV:
-        try:
-            from replicas.kernels.triton_rope_kv import triton_rope_kv
-        except ImportError:
-            _ROPE_KV.append(None)
-        else:
-            _ROPE_KV.append(torch.compiler.disable(triton_rope_kv))
-    return _ROPE_KV[0]
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, norm, weight_in_fp32: bool):
+    """``(x + delta, norm(x + delta))`` for ``[T, hidden]`` rows; ``norm`` has ``weight`` and ``eps``.
+
+    One Triton launch on CUDA (:mod:`replicas.kernels.triton_rmsnorm`), its torch reference elsewhere.
+    """
+    kernel = lazy_kernel("replicas.kernels.triton_rmsnorm", "triton_add_rmsnorm") if x.is_cuda else None
+    if kernel is not None:
+        return kernel(x, delta, norm.weight, norm.eps, weight_in_fp32)
+    return add_rmsnorm_reference(x, delta, norm.weight, norm.eps, weight_in_fp32)
+
+
+def add_rmsnorm_reference(x, delta, weight, eps, weight_in_fp32):
+    """Torch reference of :func:`replicas.kernels.triton_rmsnorm.triton_add_rmsnorm` (same arguments and result).
+
+    RMSNorm (Zhang & Sennrich 2019) in fp32; the weight applied after rounding to ``x.dtype`` (HF Llama)
+    or in fp32 (HF GPT-OSS, ``weight_in_fp32``).
+    """
+    if delta is not None:
+        x = x + delta
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = (weight.float() * normed).to(x.dtype) if weight_in_fp32 else weight * normed.to(x.dtype)
+    return x, y

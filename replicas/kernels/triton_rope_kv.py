@@ -19,7 +19,7 @@ from replicas.kernels.paged_attention import PAGE_SIZE
 @triton.jit
 def _rope_kv_kernel(
     qkv_ptr, cos_ptr, sin_ptr, pos_ptr, table_ptr, q_out_ptr, k_ptr, v_ptr,
-    stride_kb, stride_kt, stride_kh,
+    stride_cos, stride_kb, stride_kt, stride_kh,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
 ):
     h = tl.program_id(0)
@@ -28,8 +28,8 @@ def _rope_kv_kernel(
     x1 = tl.load(qkv_ptr + h * D + offs).to(tl.float32)
     x2 = tl.load(qkv_ptr + h * D + HALF + offs).to(tl.float32)
     if h < H + KVH:  # q and k heads are rotated
-        c = tl.load(cos_ptr + pos * D + offs).to(tl.float32)
-        s = tl.load(sin_ptr + pos * D + offs).to(tl.float32)
+        c = tl.load(cos_ptr + pos * stride_cos + offs).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_cos + offs).to(tl.float32)
         x1, x2 = x1 * c - x2 * s, x2 * c + x1 * s
     if h < H:
         tl.store(q_out_ptr + h * D + offs, x1.to(q_out_ptr.dtype.element_ty))
@@ -53,7 +53,8 @@ def triton_rope_kv(
 
     Args:
         qkv: ``[1, (H + 2 KVH) * D]`` output of the fused projection (contiguous).
-        cos, sin: ``[max_positions, D]`` RoPE tables (halves repeated, HF layout).
+        cos, sin: ``[max_positions, D]`` RoPE tables (halves repeated, HF Llama layout) or
+            ``[max_positions, D / 2]`` (HF GPT-OSS layout); only the first ``D / 2`` columns are read.
         position: ``[1]`` int64 on the device; block_table: ``[max_blocks]`` int64.
         key_plane, value_plane: ``[num_blocks, PAGE_SIZE, KVH, D]``.
 
@@ -64,7 +65,7 @@ def triton_rope_kv(
     q = torch.empty(1, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _rope_kv_kernel[(num_heads + 2 * num_kv_heads,)](
         qkv, cos, sin, position, block_table, q, key_plane, value_plane,
-        key_plane.stride(0), key_plane.stride(1), key_plane.stride(2),
+        cos.stride(0), key_plane.stride(0), key_plane.stride(1), key_plane.stride(2),
         H=num_heads, KVH=num_kv_heads, D=head_dim, HALF=head_dim // 2, PAGE=PAGE_SIZE,
     )
     return q
@@ -74,7 +75,8 @@ def rope_kv_reference(qkv, cos, sin, position, block_table, key_plane, value_pla
     """Torch reference of :func:`triton_rope_kv` (same arguments and result)."""
     d = key_plane.shape[-1]
     q, k, v = qkv.float().split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
-    c, s = cos[position].float(), sin[position].float()  # [1, D]
+    c, s = cos[position, : d // 2].float(), sin[position, : d // 2].float()  # [1, D/2]
+    c, s = torch.cat((c, c), -1), torch.cat((s, s), -1)  # [1, D]
 
     def rot(x, heads):
         x = x.view(1, heads, d)

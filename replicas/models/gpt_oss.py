@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replicas.kernels.moe import moe, moe_reference, route
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from replicas.kernels.static_decode import add_rmsnorm, decode_attention, rope_kv_write
 from replicas.models.gpt_oss_config import GptOssConfig, YarnScaling
 from replicas.models.loader import load_safetensors
 from replicas.models.mxfp4 import (
@@ -35,7 +37,6 @@ from replicas.models.mxfp4 import (
     BYTES_PER_BLOCK,
     MXFP4Error,
     check_mxfp4,
-    dequantize_mxfp4,
 )
 
 KVPlanes = list[tuple[torch.Tensor, torch.Tensor]]
@@ -122,6 +123,34 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads))  # [H] logits
         self.sliding_window = cfg.layer_window(layer)
         self.scale = cfg.head_dim**-0.5
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse_qkv(self) -> None:
+        """Store q/k/v weights (and biases) as row blocks of one ``[(H + 2 KVH) D, hidden]`` tensor.
+
+        ``q_proj``/``k_proj``/``v_proj`` parameters become views into it (same
+        names and state dict, no extra memory), so the decode step runs one
+        GEMM. Call after the final ``.to(dtype/device)``: a later cast copies
+        the parameters and un-fuses them (the method can then be called again).
+        """
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight.detach() for p in projs])
+        bias = torch.cat([p.bias.detach() for p in projs]) if self.q_proj.bias is not None else None
+        start = 0
+        for p in projs:
+            rows = p.weight.shape[0]
+            p.weight = nn.Parameter(weight[start:start + rows], requires_grad=False)
+            if bias is not None:
+                p.bias = nn.Parameter(bias[start:start + rows], requires_grad=False)
+            start += rows
+        self._qkv = (weight, bias)
+
+    def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, (H + 2 KVH) D]``: q, k, v projections (with biases) in one output."""
+        fused = self._qkv
+        if fused is None or fused[0].data_ptr() != self.q_proj.weight.data_ptr():
+            return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return F.linear(x, fused[0], fused[1])
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, planes: tuple[torch.Tensor, torch.Tensor]):
         t = x.shape[0]
@@ -191,17 +220,10 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]``, routing ``weights``/``idx`` ``[T, K]`` → ``sum_k w_k * expert_k(x)`` ``[T, hidden]``.
 
-        Experts are visited in increasing id, as transformers' ``GptOssExperts.forward``.
+        Experts are visited in increasing id, as transformers' ``GptOssExperts.forward``
+        (:func:`~replicas.kernels.moe.moe_reference`).
         """
-        out = torch.zeros_like(x)
-        for e in torch.unique(idx).tolist():
-            tok, slot = torch.where(idx == e)  # tokens routed to e, and at which of their K slots
-            w_gate_up = dequantize_mxfp4(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e], x.dtype)  # [2I, h]
-            w_down = dequantize_mxfp4(self.down_proj_blocks[e], self.down_proj_scales[e], x.dtype)  # [h, I]
-            y = F.linear(x[tok], w_gate_up, self.gate_up_proj_bias[e])  # [n, 2I]
-            y = F.linear(clamped_swiglu(y, self.alpha, self.limit), w_down, self.down_proj_bias[e])  # [n, h]
-            out.index_add_(0, tok, y * weights[tok, slot, None])
-        return out
+        return moe_reference(x, weights, idx, self)
 
 
 class MLP(nn.Module):
@@ -213,6 +235,9 @@ class MLP(nn.Module):
         self.experts = Experts(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # Triton routing + packed-MXFP4 kernels for decode-sized batches
+            weights, idx = route(self.router, x)
+            return moe(x, weights, idx, self.experts)
         weights, idx = self.router(x)  # [T, K]
         return self.experts(x, weights, idx)
 
@@ -255,6 +280,7 @@ class GptOssForCausalLM(nn.Module):
         self.model = GptOssBackbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg)
+        self._decode_workspace: dict = {}  # scratch of the Triton decode attention, reused by every layer
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_pos, D/2] fp32
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -267,6 +293,49 @@ class GptOssForCausalLM(nn.Module):
             x = layer(x, cos, sin, meta, planes)
         x = self.model.norm(x[meta.last_token_indices.to(x.device)])  # [B, hidden]
         return self.lm_head(x).float()  # [B, vocab]
+
+    compile_decode_step = False
+    """The decode step is already our fused kernels plus cuBLAS GEMVs; Inductor has nothing left to fuse."""
+
+    def fuse_qkv(self) -> GptOssForCausalLM:
+        """Fuse every layer's q/k/v projections (:meth:`Attention.fuse_qkv`); returns ``self``."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_qkv()
+        return self
+
+    def decode_static(
+        self, token: torch.Tensor, position: torch.Tensor, block_table: torch.Tensor, kv_planes: KVPlanes
+    ) -> torch.Tensor:
+        """One greedy-decode step with static shapes and no host sync (CUDA-graph capturable).
+
+        Per layer on CUDA: RMSNorm, fused qkv GEMM, RoPE + KV write (1 Triton launch), split-K
+        attention with sinks/window (2), o_proj GEMM, residual add + RMSNorm (1), router GEMM,
+        top-k softmax (1), MXFP4 gate_up + SwiGLU (1), MXFP4 down + weighted sum + residual (1).
+        Torch references of the same kernels on CPU. Call under ``torch.inference_mode()``.
+
+        Args:
+            token: ``[1]`` int64 pending token; position: ``[1]`` int64 its position (committed KV length).
+            block_table: ``[max_blocks]`` int64 page ids covering ``position``.
+            kv_planes: per layer ``(key_plane, value_plane)``.
+
+        Returns:
+            ``[1, vocab]`` fp32 logits for the next token.
+        """
+        context_len = position + 1
+        layers = self.model.layers
+        x = self.model.embed_tokens(token)  # [1, hidden]
+        _, h = add_rmsnorm(x, None, layers[0].input_layernorm, True)
+        for i, (layer, (kp, vp)) in enumerate(zip(layers, kv_planes, strict=True)):
+            attn = layer.self_attn
+            q = rope_kv_write(attn, h, self.rope_cos, self.rope_sin, position, block_table, kp, vp)  # [1, H, D]
+            o = decode_attention(q, kp, vp, block_table, context_len, attn.scale, sinks=attn.sinks,
+                                 sliding_window=attn.sliding_window, workspace=self._decode_workspace)
+            x, h = add_rmsnorm(x, attn.o_proj(o.reshape(1, -1)), layer.post_attention_layernorm, True)
+            weights, ids = route(layer.mlp.router, h)
+            x = moe(h, weights, ids, layer.mlp.experts, residual=x)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            _, h = add_rmsnorm(x, None, norm, True)
+        return self.lm_head(h).float()
 
     @classmethod
     def from_pretrained(
@@ -294,7 +363,7 @@ class GptOssForCausalLM(nn.Module):
         model.load_state_dict(weights, strict=True, assign=True)
         cos, sin = rope_tables(cfg)
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-        return model.eval()
+        return model.eval().fuse_qkv()
 
 
 def check_weights(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], path) -> None:

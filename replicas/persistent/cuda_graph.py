@@ -76,7 +76,8 @@ class CudaGraphBackend(PersistentBackend):
         max_model_len: context limit; sets the padded block-table length.
         use_graphs: capture graphs (default: when ``device`` is CUDA).
         compile_step: ``torch.compile`` the decode step before capture so
-            Inductor fuses its elementwise work (default: when graphs are used);
+            Inductor fuses its elementwise work (default: when graphs are used and
+            the model does not set ``compile_decode_step = False``);
             the compiled step is still replayed from our own graphs.
 
     Raises:
@@ -93,7 +94,9 @@ class CudaGraphBackend(PersistentBackend):
         self.model = model
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        self.compile_step = self.use_graphs if compile_step is None else compile_step
+        if compile_step is None:  # a model may declare that Inductor has nothing left to fuse
+            compile_step = self.use_graphs and getattr(model, "compile_decode_step", True)
+        self.compile_step = compile_step
         self._step = model.decode_static
         self.max_blocks = -(-max_model_len // PAGE_SIZE)
         self.buffers = QuantumBuffers.allocate(self.max_blocks, self.device)

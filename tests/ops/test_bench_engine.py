@@ -1,19 +1,34 @@
-"""The engine benchmark's CPU mode on a tiny random Llama: it runs every lane and reports sane numbers."""
+"""The engine benchmark's CPU mode on tiny random Llama and GPT-OSS shapes, and its bytes-per-token model."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from ops.bench_engine import main
+from ops.bench_engine import bytes_per_token, main, shape_config
 
 
-def test_cpu_mode_runs_all_lanes(capsys):
+def test_cpu_mode_runs_all_lanes_on_both_model_families(capsys, tmp_path):
     torch.set_num_threads(1)
     rows = main(["--device", "cpu", "--tiny", "--dtype", "float32", "--prompt-len", "40", "--new-tokens", "10",
-                 "--reps", "1"])
-    lanes = [r.lane for r in rows]
-    assert lanes == ["persistent/cuda_graph", "persistent/eager", "standard", "hf/eager"]
+                 "--reps", "1", "--json", str(tmp_path / "rows.json"), "--plot", str(tmp_path / "tpot.png")])
+    lanes = ["persistent/cuda_graph", "persistent/eager", "standard", "hf/eager"]
+    assert [(r.shape, r.lane) for r in rows] == [(s, lane) for s in ("tiny", "tiny-gpt-oss") for lane in lanes]
     for r in rows:
         assert r.ttft_ms > 0 and r.tpot_ms > 0 and r.bytes_per_token > 0 and 0 < r.floor_ms < r.tpot_ms
+        assert r.tokens == 10
     out = capsys.readouterr().out
-    assert "| tiny | persistent/cuda_graph |" in out
+    assert "| tiny-gpt-oss | persistent/cuda_graph | 10 |" in out
+    assert (tmp_path / "rows.json").stat().st_size > 0
+    assert (tmp_path / "tpot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("shape,gigabytes", [("gpt-oss-120b", 5.05), ("gpt-oss-20b", 3.74)])
+def test_bytes_per_token_at_the_real_gpt_oss_shapes(shape, gigabytes):
+    """~5.0 GB per token for 120b (issue 5 / DESIGN.md): attention + LM head in bf16, 4 of 128 MXFP4 experts."""
+    from replicas.models.gpt_oss import GptOssForCausalLM
+    from replicas.models.gpt_oss_config import GptOssConfig
+
+    with torch.device("meta"):  # shapes only, nothing allocated
+        model = GptOssForCausalLM(GptOssConfig.from_dict(shape_config(shape))).to(torch.bfloat16)
+    assert bytes_per_token(model, 1152, 2) / 1e9 == pytest.approx(gigabytes, abs=0.01)

@@ -403,3 +403,28 @@ def test_persistent_lane_greedy_matches_transformers(gpt_core, prompts, hf_greed
     assert [len(c.token_ids) for c in items] == [1] + [8] * 7 + [7]
     assert lane.healthy and items[-1].finish_reason == "length"
     assert_pool_full(gpt_core)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_static_decode_step_greedy_matches_transformers(gpt_core, prompts, hf_greedy_64, index):
+    """The ``cuda_graph`` backend's static body (fused-kernel references on CPU: RoPE + KV write, add +
+    RMSNorm, top-k routing, MoE) gives transformers' 64 greedy tokens, in 8-token quanta."""
+    from replicas.persistent.cuda_graph import CudaGraphBackend
+
+    backend = CudaGraphBackend(gpt_core.model, "cpu", gpt_core.config.max_model_len)
+    assert backend.use_graphs is False and backend.compile_step is False
+    lane = PersistentLane(gpt_core, backend)
+    items = list(lane.generate(greedy_request(f"g{index}", prompts[index], GREEDY_64)))
+    assert tokens_of(items) == hf_greedy_64[index]
+    assert [len(c.token_ids) for c in items] == [1] + [8] * 7 + [7]
+    assert_pool_full(gpt_core)
+
+
+def test_fused_qkv_is_a_view_of_the_projections(gpt_core):
+    attn = gpt_core.model.model.layers[0].self_attn
+    fused_w, fused_b = attn._qkv
+    assert attn.q_proj.weight.data_ptr() == fused_w.data_ptr()
+    assert attn.v_proj.bias.data_ptr() == fused_b[-attn.v_proj.bias.numel():].data_ptr()
+    x = torch.randn(3, gpt_core.model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    ref = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    torch.testing.assert_close(attn.qkv_proj(x), ref)

@@ -1,0 +1,88 @@
+"""Kernel micro-benchmark: the MXFP4 MoE GEMV against the HBM bandwidth, per tile configuration.
+
+At gpt-oss-120b's expert shape (hidden 2880, expert width 2880, 128 experts,
+top-4), one decode token's MoE reads 4 experts' packed gate_up and down
+matrices (4 x 13.2 MB). This times :func:`~replicas.kernels.triton_moe.triton_moe`
+(both launches) with CUDA events over many calls, for a few tile sizes and
+both E2M1 decodings, and a cuBLAS bf16 GEMV of a 33 MB matrix as the
+achievable-bandwidth yardstick. Prints GB/s per configuration.
+
+Usage (GPU): ``python -m ops.bench_kernels``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+
+def _time_ms(fn, iters: int = 50) -> float:
+    """GPU ms per call of ``fn``: ``iters`` calls captured in one CUDA graph (no Python launch cost), replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile / warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / iters
+
+
+def main(argv: list[str] | None = None) -> list[tuple]:
+    from replicas.kernels.triton_moe import triton_moe
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=2880)
+    p.add_argument("--inter", type=int, default=2880)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=1)
+    args = p.parse_args(argv)
+    dev = torch.device("cuda")
+    e, h, i, k, t = args.experts, args.hidden, args.inter, args.top_k, args.tokens
+    gu_b = torch.randint(0, 256, (e, 2 * i, h // 32, 16), dtype=torch.uint8, device=dev)
+    gu_s = torch.randint(118, 124, (e, 2 * i, h // 32), dtype=torch.uint8, device=dev)
+    dn_b = torch.randint(0, 256, (e, h, i // 32, 16), dtype=torch.uint8, device=dev)
+    dn_s = torch.randint(118, 124, (e, h, i // 32), dtype=torch.uint8, device=dev)
+    gu_bias = torch.randn(e, 2 * i, device=dev, dtype=torch.bfloat16)
+    dn_bias = torch.randn(e, h, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+    # a different expert set per call, so that consecutive calls do not hit in the 50 MB L2
+    id_sets = [torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)]) for _ in range(16)]
+    ids = id_sets[0]
+    turn = [0]
+    w = torch.softmax(torch.randn(t, k, device=dev), -1).to(torch.bfloat16)
+    experts_used = ids.unique().numel()
+    moved = experts_used * (gu_b[0].numel() + gu_s[0].numel() + dn_b[0].numel() + dn_s[0].numel())
+    results = []
+    dense = torch.randn(16 * i, h, device=dev, dtype=torch.bfloat16)  # larger than L2
+    ms = _time_ms(lambda: torch.nn.functional.linear(x, dense), iters=20)
+    print(f"cuBLAS bf16 GEMV [{16 * i} x {h}] ({dense.numel() * 2 / 1e6:.1f} MB): {ms * 1e3:.1f} us, "
+          f"{dense.numel() * 2 / ms / 1e6:.0f} GB/s")
+    print(f"MoE: {t} token(s), {experts_used} experts read, {moved / 1e6:.1f} MB per call")
+    for decode, bj, br, gt in itertools.product((0, 1), (4, 8, 16), (4, 8, 16), (4, 8)):
+        def call(bj=bj, br=br, gt=gt, decode=decode):
+            turn[0] += 1
+            triton_moe(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias, 1.702, 7.0, residual=x,
+                       block_j=bj, block_r=br, groups_per_tile=gt, decode=decode)
+        ms = _time_ms(call)
+        results.append((decode, bj, br, gt, ms))
+    for decode, bj, br, gt, ms in sorted(results, key=lambda r: r[-1])[:12]:
+        print(f"  decode={decode} block_j={bj:2d} block_r={br:2d} groups/tile={gt}: {ms * 1e3:7.1f} us  "
+              f"{moved / ms / 1e6:6.0f} GB/s")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Mixture-of-experts dispatch for GPT-OSS: routing and the MXFP4 expert sum.
+
+On CUDA with Triton, a few tokens (decode: the persistent lane's one token or
+a small standard-lane batch, up to :data:`GROUPED_MAX_TOKENS`) go through the
+packed-MXFP4 GEMV kernels of :mod:`replicas.kernels.triton_moe` and the top-k
+kernel of :mod:`replicas.kernels.triton_router`; everything else (CPU, prefill)
+uses :func:`moe_reference`, which dequantizes each routed expert once and runs
+dense GEMMs (the same math as transformers' ``GptOssExperts``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from replicas.kernels.triton_loader import lazy_kernel
+
+GROUPED_MAX_TOKENS = 16
+"""Above this many tokens, dequantize-then-GEMM beats re-reading packed experts per (token, expert) pair."""
+
+
+def route(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights ``[T, K]`` (``x.dtype``) and expert ids ``[T, K]`` int64 for ``x`` ``[T, hidden]``.
+
+    ``router`` has ``weight [E, hidden]``, ``bias [E]``, ``top_k`` (GPT-OSS's ``Router``).
+    """
+    logits = F.linear(x, router.weight, router.bias)  # [T, E]
+    kernel = lazy_kernel("replicas.kernels.triton_router", "triton_router_topk") if x.is_cuda else None
+    if kernel is not None:
+        return kernel(logits, router.top_k, x.dtype)
+    return router_topk_reference(logits, router.top_k, x.dtype)
+
+
+def router_topk_reference(logits: torch.Tensor, k: int, weight_dtype: torch.dtype):
+    """``topk`` of ``logits`` ``[T, E]`` then ``softmax`` of the kept logits (fp32) → ``(weights [T, k]
+    weight_dtype, ids [T, k] int64)``: transformers' ``GptOssTopKRouter``; reference of the Triton kernel."""
+    top, ids = torch.topk(logits.float(), k, dim=-1)
+    return torch.softmax(top, dim=-1).to(weight_dtype), ids
+
+
+def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, residual: torch.Tensor | None = None):
+    """``residual + sum_k weights[:, k] * expert_{ids[:, k]}(x)`` ``[T, hidden]`` in ``x.dtype``.
+
+    ``experts`` is GPT-OSS's ``Experts`` module (packed ``*_blocks``/``*_scales``, biases, ``alpha``,
+    ``limit``). Triton kernels on CUDA for ``T <= GROUPED_MAX_TOKENS``, else :func:`moe_reference`.
+    """
+    kernel = lazy_kernel("replicas.kernels.triton_moe", "triton_moe") if x.is_cuda else None
+    if kernel is not None and x.shape[0] <= GROUPED_MAX_TOKENS:
+        return kernel(x, weights, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales,
+                      experts.gate_up_proj_bias, experts.down_proj_blocks, experts.down_proj_scales,
+                      experts.down_proj_bias, experts.alpha, experts.limit, residual=residual)
+    out = moe_reference(x, weights, ids, experts)
+    return out if residual is None else residual + out
+
+
+def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
+    """Torch reference: each routed expert dequantized once (to ``x.dtype``) and applied to its tokens.
+
+    Experts are visited in increasing id and accumulated in ``x.dtype``, as transformers'
+    ``GptOssExperts.forward``. Syncs with the host (``torch.unique``): not capturable.
+    """
+    from replicas.models.gpt_oss import clamped_swiglu
+    from replicas.models.mxfp4 import dequantize_mxfp4
+
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.where(ids == e)  # tokens routed to e, and at which of their K slots
+        w_gate_up = dequantize_mxfp4(experts.gate_up_proj_blocks[e], experts.gate_up_proj_scales[e], x.dtype)
+        w_down = dequantize_mxfp4(experts.down_proj_blocks[e], experts.down_proj_scales[e], x.dtype)
+        y = F.linear(x[tok], w_gate_up, experts.gate_up_proj_bias[e])  # [n, 2I]
+        y = F.linear(clamped_swiglu(y, experts.alpha, experts.limit), w_down, experts.down_proj_bias[e])
+        out.index_add_(0, tok, y * weights[tok, slot, None])
+    return out

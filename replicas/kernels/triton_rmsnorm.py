@@ -1,0 +1,60 @@
+"""Triton kernel: RMSNorm fused with the residual add that precedes it.
+
+``x = x + delta`` (optional), then ``y = rmsnorm(x) * weight``, in one launch
+per token row instead of Inductor-less torch's five (add, pow, mean, rsqrt,
+mul). RMSNorm: Zhang & Sennrich 2019, ``x / sqrt(mean(x**2) + eps)``, computed
+in fp32. The weight is applied either after rounding to the activation dtype
+(HF Llama: ``weight * x.to(dtype)``) or in fp32 (HF GPT-OSS:
+``(weight * x).to(dtype)``), chosen by ``weight_in_fp32``.
+Reference: :func:`replicas.kernels.static_decode.add_rmsnorm_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replicas.kernels.static_decode import add_rmsnorm_reference  # noqa: F401 - the reference, for tests
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, y_ptr, N, eps,
+                        BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, WEIGHT_FP32: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        x = x + tl.load(delta_ptr + row * N + offs, mask=mask, other=0.0)  # rounded like torch's add
+        tl.store(x_out_ptr + row * N + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    if WEIGHT_FP32:
+        y = w.to(tl.float32) * (xf * inv)
+    else:
+        y = w * (xf * inv).to(x.dtype)
+    tl.store(y_ptr + row * N + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def triton_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       weight_in_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, rmsnorm(x + delta) * weight)`` for ``x``, ``delta`` ``[T, N]`` (same dtype).
+
+    Args:
+        x: ``[T, N]`` residual stream; delta: ``[T, N]`` or None (plain RMSNorm, ``x`` returned as is).
+        weight: ``[N]``; eps: the norm's epsilon (model config ``rms_norm_eps``).
+        weight_in_fp32: GPT-OSS convention (weight applied in fp32) vs Llama's (after rounding).
+
+    Returns:
+        ``(x_new [T, N] x.dtype, y [T, N] x.dtype)``.
+    """
+    x = x.contiguous()
+    t, n = x.shape
+    x_out = torch.empty_like(x) if delta is not None else x
+    y = torch.empty_like(x)
+    _add_rmsnorm_kernel[(t,)](x, delta.contiguous() if delta is not None else x, weight, x_out, y, n, eps,
+                              BLOCK=triton.next_power_of_2(n), HAS_DELTA=delta is not None,
+                              WEIGHT_FP32=weight_in_fp32)
+    return x_out, y
