@@ -399,7 +399,7 @@ def run(args) -> list[Row]:
         graph = CudaGraphBackend(core.model, device, max_len)
         row("persistent/cuda_graph", time_persistent(core, graph, prompt, args.new_tokens, args.reps),
             args.new_tokens, count_kernels_per_token(graph))
-        if args.profile and shape == args.shapes.split(",")[-1]:
+        if args.profile and shape == (args.profile_shape or args.shapes.split(",")[-1]):
             profile_rows(graph, args.prompt_len + args.new_tokens // 2, label, args)
         del graph
         row("persistent/eager", time_persistent(core, EagerBackend(core.model, device), prompt, slow_tokens,
@@ -407,6 +407,8 @@ def run(args) -> list[Row]:
         row("standard", time_standard(core, prompt, slow_tokens, 1 if gpt_oss else args.reps), slow_tokens)
         del core
         _free(device)
+        if args.write_docs:  # after every shape, so that a run cut short still leaves its numbers
+            write_docs(table(rows), args)
         if args.no_hf or (gpt_oss and raw["num_local_experts"] > 32 and not args.hf_120b):
             continue
         try:
@@ -423,6 +425,8 @@ def run(args) -> list[Row]:
                 print(f"  {lane} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 rows.append(Row(label, lane, float("nan"), float("nan"), bpt, floor, None, 0,
                                 f"failed: {type(exc).__name__}"))
+            if args.write_docs:
+                write_docs(table(rows), args)
         del hf
         _free(device)
     return rows
@@ -455,8 +459,9 @@ def machine() -> str:
 
 
 KERNEL_CLASSES = (
-    ("MoE MXFP4 gate_up+SwiGLU", ("_gate_up_swiglu",)),
-    ("MoE MXFP4 down+sum", ("_down_sum",)),
+    ("MoE MXFP4 gate_up", ("_gate_up",)),
+    ("MoE SwiGLU", ("_swiglu",)),
+    ("MoE MXFP4 down", ("_down_",)),
     ("attention split-K", ("_split_kernel",)),
     ("attention merge", ("_merge_kernel",)),
     ("RoPE + KV write", ("_rope_kv",)),
@@ -500,7 +505,8 @@ def profile_rows(backend, context: int, label: str, args) -> str:
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
     if args.write_docs:
-        write_docs(text, args, marker="bench_profile", title="Where a decode step's time goes (`--profile`)",
+        write_docs(text, args, marker=f"{args.docs_section}_profile",
+                   title=f"Where a decode step's time goes: {label} (`--profile`)",
                    command=f"python -m ops.bench_engine --profile --shapes {args.shapes}")
     return text
 
@@ -559,10 +565,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--tokenizer", help="tokenizer directory (detokenize like a server would)")
     p.add_argument("--profile", action="store_true",
                    help="per-kernel breakdown of one decode step of the last shape, and the host gap")
+    p.add_argument("--profile-shape", help="the shape --profile breaks down (default: the last)")
     p.add_argument("--json", help="write rows as JSON here")
     p.add_argument("--plot", help="write a PNG bar chart here")
     p.add_argument("--replot", help="only re-draw --plot from a --json file of an earlier run")
-    p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md (and docs/bench_engine.png)")
+    p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md (and docs/<section>.png/json)")
+    p.add_argument("--docs-section", default="bench_engine",
+                   help="marker of the docs/benchmarks.md section (and the plot/JSON file names) this run owns")
     args = p.parse_args(argv)
     if args.tiny:
         args.shapes = "tiny,tiny-gpt-oss"
@@ -579,19 +588,23 @@ def main(argv: list[str] | None = None) -> list[Row]:
     docs = Path(__file__).resolve().parents[1] / "docs"
     if args.write_docs:
         write_docs(text, args)
-        (docs / "bench_engine.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        (docs / f"{args.docs_section}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     if args.plot or args.write_docs:
-        if not plot(rows, Path(args.plot) if args.plot else docs / "bench_engine.png"):
+        if not plot(rows, Path(args.plot) if args.plot else docs / f"{args.docs_section}.png"):
             print("matplotlib is not installed: no plot (re-draw later with --replot)")
     print("\n" + text)
     return rows
 
 
-def write_docs(text: str, args, marker: str = "bench_engine", title: str = "Engine, batch one (`ops/bench_engine.py`)",
+def write_docs(text: str, args, marker: str | None = None, title: str | None = None,
                command: str | None = None) -> None:
+    """Replace (or append) the section between ``<!-- marker:start/end -->`` in docs/benchmarks.md."""
+    marker = marker or args.docs_section
+    title = title or f"Engine, batch one: {args.shapes} (`ops/bench_engine.py`)"
     path = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
-    command = command or (f"python -m ops.bench_engine --shapes {args.shapes} --prompt-len {args.prompt_len} "
+    command = command or (f"python -m ops.bench_engine --shapes {args.shapes} --docs-section {args.docs_section} "
+                          f"--prompt-len {args.prompt_len} "
                           f"--new-tokens {args.new_tokens} --slow-new-tokens {args.slow_new_tokens} --reps {args.reps}"
                           f"{' --hf-compile' if args.hf_compile else ''}{' --smollm2 PATH' if args.smollm2 else ''}")
     section = f"{start}\n## {title}\n\nCommand: `{command}`\nMachine: {machine()}\n\n{text}\n{end}"

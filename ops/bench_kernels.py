@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--top", type=int, default=6, help="configurations printed per kernel family")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     e, h, i, k, t = args.experts, args.hidden, args.inter, args.top_k, args.tokens
@@ -71,17 +72,31 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     print(f"cuBLAS bf16 GEMV [{16 * i} x {h}] ({dense.numel() * 2 / 1e6:.1f} MB): {ms * 1e3:.1f} us, "
           f"{dense.numel() * 2 / ms / 1e6:.0f} GB/s")
     print(f"MoE: {t} token(s), {experts_used} experts read, {moved / 1e6:.1f} MB per call")
-    for decode, bj, br, gt in itertools.product((0, 1), (4, 8, 16), (4, 8, 16), (4, 8)):
+    for decode, bj, br, gt in itertools.product((0, 1), (8, 16), (4, 8), (8,)):
         def call(bj=bj, br=br, gt=gt, decode=decode):
             turn[0] += 1
             triton_moe(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias, 1.702, 7.0, residual=x,
                        block_j=bj, block_r=br, groups_per_tile=gt, decode=decode)
         ms = _time_ms(call)
         results.append((decode, bj, br, gt, ms))
-    for decode, bj, br, gt, ms in sorted(results, key=lambda r: r[-1])[:12]:
+    print("portable kernels (triton_moe), best configurations:")
+    for decode, bj, br, gt, ms in sorted(results, key=lambda r: r[-1])[:args.top]:
         print(f"  decode={decode} block_j={bj:2d} block_r={br:2d} groups/tile={gt}: {ms * 1e3:7.1f} us  "
               f"{moved / ms / 1e6:6.0f} GB/s")
-    return results
+    from replicas.kernels.triton_moe_mma import triton_moe_partials
+
+    mma = []
+    for bj, br, splits, warps in itertools.product((16, 32), (16, 32), (1, 2, 3, 5, 8), (1, 2, 4)):
+        def call_mma(bj=bj, br=br, splits=splits, warps=warps):
+            turn[0] += 1
+            triton_moe_partials(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias,
+                                1.702, 7.0, block_j=bj, block_r=br, splits=splits, num_warps=warps)
+        mma.append((bj, br, splits, warps, _time_ms(call_mma)))
+    print("tensor-core kernels (triton_moe_mma, 3 launches), best configurations:")
+    for bj, br, splits, warps, ms in sorted(mma, key=lambda r: r[-1])[:args.top]:
+        print(f"  block_j={bj:2d} block_r={br:2d} splits={splits} warps={warps}: {ms * 1e3:7.1f} us  "
+              f"{moved / ms / 1e6:6.0f} GB/s")
+    return results + mma
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ dense GEMMs (the same math as transformers' ``GptOssExperts``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +19,40 @@ from replicas.kernels.triton_loader import lazy_kernel
 
 GROUPED_MAX_TOKENS = 16
 """Above this many tokens, dequantize-then-GEMM beats re-reading packed experts per (token, expert) pair."""
+
+MOE_KERNEL = os.environ.get("PERSISTENT_SERVE_MOE_KERNEL", "mma")
+"""``mma``: tensor-core kernels (:mod:`replicas.kernels.triton_moe_mma`, NVIDIA only, inline PTX);
+``simt``: the portable kernels of :mod:`replicas.kernels.triton_moe`. Environment
+``PERSISTENT_SERVE_MOE_KERNEL`` selects it (benchmarks compare both)."""
+
+
+def _mma_kernel(x: torch.Tensor):
+    """The tensor-core MoE kernel when it applies to ``x`` (CUDA on NVIDIA, few tokens), else None."""
+    if MOE_KERNEL != "mma" or not x.is_cuda or torch.version.hip or x.shape[0] > GROUPED_MAX_TOKENS:
+        return None
+    return lazy_kernel("replicas.kernels.triton_moe_mma", "triton_moe_partials")
+
+
+def _packed(experts) -> tuple:
+    return (experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.gate_up_proj_bias,
+            experts.down_proj_blocks, experts.down_proj_scales, experts.down_proj_bias, experts.alpha, experts.limit)
+
+
+def moe_add_rmsnorm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, residual: torch.Tensor,
+                    norm, weight_in_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE layer, its residual add and the next RMSNorm: ``(x_new, norm(x_new))`` with
+    ``x_new = residual + moe(x)`` ``[T, hidden]``.
+
+    On NVIDIA GPUs two tensor-core launches write per-expert partials and one add+RMSNorm launch sums
+    them (fixed order, no atomics); elsewhere :func:`moe` then
+    :func:`~replicas.kernels.static_decode.add_rmsnorm`.
+    """
+    from replicas.kernels.static_decode import add_rmsnorm
+
+    kernel = _mma_kernel(x)
+    if kernel is not None:
+        return add_rmsnorm(residual, kernel(x, weights, ids, *_packed(experts)), norm, weight_in_fp32)
+    return add_rmsnorm(moe(x, weights, ids, experts, residual=residual), None, norm, weight_in_fp32)
 
 
 def route(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,11 +80,13 @@ def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, resi
     ``experts`` is GPT-OSS's ``Experts`` module (packed ``*_blocks``/``*_scales``, biases, ``alpha``,
     ``limit``). Triton kernels on CUDA for ``T <= GROUPED_MAX_TOKENS``, else :func:`moe_reference`.
     """
+    mma = _mma_kernel(x)
+    if mma is not None:
+        out = mma(x, weights, ids, *_packed(experts)).sum(1)
+        return (out if residual is None else residual.float() + out).to(x.dtype)
     kernel = lazy_kernel("replicas.kernels.triton_moe", "triton_moe") if x.is_cuda else None
     if kernel is not None and x.shape[0] <= GROUPED_MAX_TOKENS:
-        return kernel(x, weights, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales,
-                      experts.gate_up_proj_bias, experts.down_proj_blocks, experts.down_proj_scales,
-                      experts.down_proj_bias, experts.alpha, experts.limit, residual=residual)
+        return kernel(x, weights, ids, *_packed(experts), residual=residual)
     out = moe_reference(x, weights, ids, experts)
     return out if residual is None else residual + out
 

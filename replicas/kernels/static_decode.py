@@ -126,7 +126,12 @@ def add_rmsnorm_reference(x, delta, weight, eps, weight_in_fp32):
     RMSNorm (Zhang & Sennrich 2019) in fp32; the weight applied after rounding to ``x.dtype`` (HF Llama)
     or in fp32 (HF GPT-OSS, ``weight_in_fp32``).
     """
-    if delta is not None:
+    if delta is not None and delta.dim() == 3:  # fp32 partial sums [T, P, N], added in order
+        acc = x.float()
+        for p in range(delta.shape[1]):
+            acc = acc + delta[:, p]
+        x = acc.to(x.dtype)
+    elif delta is not None:
         x = x + delta
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -20,12 +20,19 @@ from replicas.kernels.static_decode import add_rmsnorm_reference  # noqa: F401 -
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, y_ptr, N, eps,
-                        BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, WEIGHT_FP32: tl.constexpr):
+                        BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, WEIGHT_FP32: tl.constexpr,
+                        NPART: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
-    if HAS_DELTA:
+    if NPART > 0:  # delta: [T, NPART, N] fp32 partial sums, added in order in fp32, rounded once
+        acc = x.to(tl.float32)
+        for p in tl.static_range(NPART):
+            acc += tl.load(delta_ptr + (row * NPART + p) * N + offs, mask=mask, other=0.0)
+        x = acc.to(x_ptr.dtype.element_ty)
+        tl.store(x_out_ptr + row * N + offs, x, mask=mask)
+    elif HAS_DELTA:
         x = x + tl.load(delta_ptr + row * N + offs, mask=mask, other=0.0)  # rounded like torch's add
         tl.store(x_out_ptr + row * N + offs, x, mask=mask)
     xf = x.to(tl.float32)
@@ -43,7 +50,10 @@ def triton_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torc
     """``(x + delta, rmsnorm(x + delta) * weight)`` for ``x``, ``delta`` ``[T, N]`` (same dtype).
 
     Args:
-        x: ``[T, N]`` residual stream; delta: ``[T, N]`` or None (plain RMSNorm, ``x`` returned as is).
+        x: ``[T, N]`` residual stream; delta: ``[T, N]`` (same dtype), ``[T, P, N]`` fp32 partial sums
+            (added to ``x`` in fp32 in order p = 0..P-1, rounded once: the MoE experts' outputs of
+            :func:`~replicas.kernels.triton_moe_mma.triton_moe_partials`), or None (plain RMSNorm,
+            ``x`` returned as is).
         weight: ``[N]``; eps: the norm's epsilon (model config ``rms_norm_eps``).
         weight_in_fp32: GPT-OSS convention (weight applied in fp32) vs Llama's (after rounding).
 
@@ -54,7 +64,8 @@ def triton_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torc
     t, n = x.shape
     x_out = torch.empty_like(x) if delta is not None else x
     y = torch.empty_like(x)
+    npart = delta.shape[1] if delta is not None and delta.dim() == 3 else 0
     _add_rmsnorm_kernel[(t,)](x, delta.contiguous() if delta is not None else x, weight, x_out, y, n, eps,
                               BLOCK=triton.next_power_of_2(n), HAS_DELTA=delta is not None,
-                              WEIGHT_FP32=weight_in_fp32)
+                              WEIGHT_FP32=weight_in_fp32, NPART=npart)
     return x_out, y

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replicas.kernels.moe import moe, moe_reference, route
+from replicas.kernels.moe import moe, moe_add_rmsnorm, moe_reference, route
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from replicas.kernels.static_decode import add_rmsnorm, decode_attention, rope_kv_write
 from replicas.models.gpt_oss_config import GptOssConfig, YarnScaling
@@ -310,7 +310,8 @@ class GptOssForCausalLM(nn.Module):
 
         Per layer on CUDA: RMSNorm, fused qkv GEMM, RoPE + KV write (1 Triton launch), split-K
         attention with sinks/window (2), o_proj GEMM, residual add + RMSNorm (1), router GEMM,
-        top-k softmax (1), MXFP4 gate_up + SwiGLU (1), MXFP4 down + weighted sum + residual (1).
+        top-k softmax (1), MXFP4 gate_up + SwiGLU (1), MXFP4 down per expert (1); the experts' sum, the
+        residual add and the next layer's RMSNorm are one more launch.
         Torch references of the same kernels on CPU. Call under ``torch.inference_mode()``.
 
         Args:
@@ -332,9 +333,8 @@ class GptOssForCausalLM(nn.Module):
                                  sliding_window=attn.sliding_window, workspace=self._decode_workspace)
             x, h = add_rmsnorm(x, attn.o_proj(o.reshape(1, -1)), layer.post_attention_layernorm, True)
             weights, ids = route(layer.mlp.router, h)
-            x = moe(h, weights, ids, layer.mlp.experts, residual=x)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            _, h = add_rmsnorm(x, None, norm, True)
+            x, h = moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True)
         return self.lm_head(h).float()
 
     @classmethod

@@ -80,3 +80,34 @@ def test_router_and_rmsnorm_bf16():
         xr, yr = add_rmsnorm_reference(x, d, weight, 1e-5, fp32_weight)
         torch.testing.assert_close(xn, xr)
         torch.testing.assert_close(y, yr, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("block,splits", [(16, 1), (16, 3), (32, 5)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 3e-3), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_tensor_core_mxfp4_moe_at_120b_dims(dtype, tol, tokens, block, splits):
+    """The tensor-core kernels (inline-PTX E2M1 decoding; activations rounded to fp16, hence fp32's ~1e-3)."""
+    from replicas.kernels.moe import moe_reference
+    from replicas.kernels.static_decode import add_rmsnorm_reference
+    from replicas.kernels.triton_moe_mma import triton_moe_partials
+    from replicas.kernels.triton_rmsnorm import triton_add_rmsnorm
+
+    experts = Experts(dtype, seed=tokens + 10)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(dtype)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, 4, generator=g, device="cuda"), -1).to(dtype)
+    res = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(dtype)
+    parts = triton_moe_partials(x, w, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales,
+                                experts.gate_up_proj_bias, experts.down_proj_blocks, experts.down_proj_scales,
+                                experts.down_proj_bias, 1.702, 7.0, block_j=block, block_r=block, splits=splits)
+    assert parts.shape == (tokens, 4 * splits, HIDDEN)
+    ref = moe_reference(x.float(), w.float(), ids, experts.as_fp32())
+    rel = ((parts.sum(1) - ref).abs().max() / ref.abs().max()).item()
+    assert ref.abs().max() > 1
+    assert rel < tol, rel
+    norm_w = torch.ones(HIDDEN, device="cuda", dtype=dtype)
+    xn, y = triton_add_rmsnorm(res, parts, norm_w, 1e-5, True)
+    xr, yr = add_rmsnorm_reference(res, parts, norm_w, 1e-5, True)
+    torch.testing.assert_close(xn, xr)
+    torch.testing.assert_close(y, yr, rtol=2e-2, atol=2e-2)

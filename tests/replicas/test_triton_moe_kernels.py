@@ -86,3 +86,16 @@ def test_add_rmsnorm_matches_reference(with_delta, weight_in_fp32):
     x_ref, y_ref = add_rmsnorm_reference(x, delta, weight, 1e-5, weight_in_fp32)
     torch.testing.assert_close(x_new, x_ref)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_add_rmsnorm_sums_fp32_partials_in_order():
+    """The MoE experts' partial outputs ``[T, K, N]`` fp32 are added to the residual, then normed."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 100, generator=g).to(DEVICE)
+    parts = torch.randn(2, 4, 100, generator=g).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(100, generator=g)).to(DEVICE)
+    x_new, y = triton_add_rmsnorm(x, parts, weight, 1e-5, True)
+    x_ref, y_ref = add_rmsnorm_reference(x, parts, weight, 1e-5, True)
+    torch.testing.assert_close(x_new, x + parts.sum(1), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(x_new, x_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
