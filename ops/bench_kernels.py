@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     print(f"cuBLAS bf16 GEMV [{16 * i} x {h}] ({dense.numel() * 2 / 1e6:.1f} MB): {ms * 1e3:.1f} us, "
           f"{dense.numel() * 2 / ms / 1e6:.0f} GB/s")
     print(f"MoE: {t} token(s), {experts_used} experts read, {moved / 1e6:.1f} MB per call")
-    for decode, bj, br, gt in itertools.product((0, 1), (8, 16), (4, 8), (8,)):
+    for decode, bj, br, gt in itertools.product((1,), (16,), (4,), (8,)):
         def call(bj=bj, br=br, gt=gt, decode=decode):
             turn[0] += 1
             triton_moe(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias, 1.702, 7.0, residual=x,
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     from replicas.kernels.triton_moe_mma import triton_moe_partials
 
     mma = []
-    for bj, br, splits, warps in itertools.product((16, 32), (16, 32), (1, 2, 3, 5, 8), (1, 2, 4)):
+    for bj, br, splits, warps in itertools.product((32,), (32,), (5,), (2,)):
         def call_mma(bj=bj, br=br, splits=splits, warps=warps):
             turn[0] += 1
             triton_moe_partials(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias,
@@ -96,7 +96,23 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     for bj, br, splits, warps, ms in sorted(mma, key=lambda r: r[-1])[:args.top]:
         print(f"  block_j={bj:2d} block_r={br:2d} splits={splits} warps={warps}: {ms * 1e3:7.1f} us  "
               f"{moved / ms / 1e6:6.0f} GB/s")
-    return results + mma
+    from replicas.kernels.triton_moe_scaled import triton_moe_scaled
+
+    scaled = []
+    for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (2, 4), (2, 3, 4)):
+        def call_scaled(bn=bn, bk=bk, warps=warps, stages=stages):
+            turn[0] += 1
+            triton_moe_scaled(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias,
+                              1.702, 7.0, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+        try:
+            scaled.append((bn, bk, warps, stages, _time_ms(call_scaled)))
+        except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
+            print(f"  dot_scaled block_n={bn} block_k={bk} warps={warps} stages={stages}: {type(exc).__name__}")
+    print("tl.dot_scaled kernels (triton_moe_scaled, 2 launches), best configurations:")
+    for bn, bk, warps, stages, ms in sorted(scaled, key=lambda r: r[-1])[:args.top]:
+        print(f"  block_n={bn:2d} block_k={bk:3d} warps={warps} stages={stages}: {ms * 1e3:7.1f} us  "
+              f"{moved / ms / 1e6:6.0f} GB/s")
+    return results + mma + scaled
 
 
 if __name__ == "__main__":

@@ -20,17 +20,24 @@ from replicas.kernels.triton_loader import lazy_kernel
 GROUPED_MAX_TOKENS = 16
 """Above this many tokens, dequantize-then-GEMM beats re-reading packed experts per (token, expert) pair."""
 
-MOE_KERNEL = os.environ.get("PERSISTENT_SERVE_MOE_KERNEL", "mma")
-"""``mma``: tensor-core kernels (:mod:`replicas.kernels.triton_moe_mma`, NVIDIA only, inline PTX);
-``simt``: the portable kernels of :mod:`replicas.kernels.triton_moe`. Environment
-``PERSISTENT_SERVE_MOE_KERNEL`` selects it (benchmarks compare both)."""
+MOE_KERNEL = os.environ.get("PERSISTENT_SERVE_MOE_KERNEL", "scaled")
+"""Decode MoE kernels on CUDA: ``scaled`` — ``tl.dot_scaled`` (:mod:`replicas.kernels.triton_moe_scaled`);
+``mma`` — our inline-PTX E2M1 decoding + ``tl.dot`` (:mod:`replicas.kernels.triton_moe_mma`, NVIDIA only);
+``simt`` — the portable scalar kernels of :mod:`replicas.kernels.triton_moe`. Environment
+``PERSISTENT_SERVE_MOE_KERNEL`` selects one; ``python -m ops.bench_kernels`` compares them."""
+
+_PARTIALS = {"scaled": ("replicas.kernels.triton_moe_scaled", "triton_moe_scaled"),
+             "mma": ("replicas.kernels.triton_moe_mma", "triton_moe_partials")}
 
 
 def _mma_kernel(x: torch.Tensor):
-    """The tensor-core MoE kernel when it applies to ``x`` (CUDA on NVIDIA, few tokens), else None."""
-    if MOE_KERNEL != "mma" or not x.is_cuda or torch.version.hip or x.shape[0] > GROUPED_MAX_TOKENS:
+    """The tensor-core MoE kernel (per-expert partials) when it applies to ``x`` (CUDA on NVIDIA, few
+    tokens, half-precision activations — the tensor-core paths round activations to bf16/fp16, so fp32
+    models keep the exact scalar kernels — and ``MOE_KERNEL`` not ``simt``), else None."""
+    if (MOE_KERNEL not in _PARTIALS or not x.is_cuda or torch.version.hip or x.dtype == torch.float32
+            or x.shape[0] > GROUPED_MAX_TOKENS):
         return None
-    return lazy_kernel("replicas.kernels.triton_moe_mma", "triton_moe_partials")
+    return lazy_kernel(*_PARTIALS[MOE_KERNEL])
 
 
 def _packed(experts) -> tuple:

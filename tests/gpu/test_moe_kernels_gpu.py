@@ -111,3 +111,24 @@ def test_tensor_core_mxfp4_moe_at_120b_dims(dtype, tol, tokens, block, splits):
     xr, yr = add_rmsnorm_reference(res, parts, norm_w, 1e-5, True)
     torch.testing.assert_close(xn, xr)
     torch.testing.assert_close(y, yr, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("block_n,block_k", [(16, 128), (32, 256), (64, 512)])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_dot_scaled_mxfp4_moe_at_120b_dims(tokens, block_n, block_k):
+    """``tl.dot_scaled`` kernels, bf16 activations: bf16 tolerance against the fp32 reference."""
+    from replicas.kernels.moe import moe_reference
+    from replicas.kernels.triton_moe_scaled import triton_moe_scaled
+
+    experts = Experts(torch.bfloat16, seed=tokens + 20)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, 4, generator=g, device="cuda"), -1).bfloat16()
+    parts = triton_moe_scaled(x, w, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales,
+                              experts.gate_up_proj_bias, experts.down_proj_blocks, experts.down_proj_scales,
+                              experts.down_proj_bias, 1.702, 7.0, block_n=block_n, block_k=block_k)
+    ref = moe_reference(x.float(), w.float(), ids, experts.as_fp32())
+    rel = ((parts.sum(1) - ref).abs().max() / ref.abs().max()).item()
+    assert ref.abs().max() > 1
+    assert rel < 2e-2, rel

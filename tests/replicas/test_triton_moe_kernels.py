@@ -65,6 +65,26 @@ def test_mxfp4_moe_matches_dequantized_reference(tokens, k, with_residual, decod
     assert _rel_err(ours, ref) < 1e-5
 
 
+@pytest.mark.parametrize("tokens,block_k", [(1, 64), (2, 32)])
+def test_dot_scaled_moe_matches_dequantized_reference(tokens, block_k):
+    """``tl.dot_scaled`` kernels (activations rounded to bf16 on the way in: bf16 tolerance)."""
+    from replicas.kernels.triton_moe_scaled import triton_moe_scaled
+
+    hidden, inter, e = 96, 64, 8
+    experts = RandomExperts(e, hidden, inter, seed=20 + tokens)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
+    ids = torch.stack([torch.randperm(e, generator=g)[:4] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.softmax(torch.randn(tokens, 4, generator=g), -1).to(DEVICE)
+    parts = triton_moe_scaled(x, weights, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales,
+                              experts.gate_up_proj_bias, experts.down_proj_blocks, experts.down_proj_scales,
+                              experts.down_proj_bias, experts.alpha, experts.limit, block_n=32, block_k=block_k)
+    assert parts.shape == (tokens, 4, hidden)
+    ref = moe_reference(x, weights, ids, experts)
+    assert ref.abs().max() > 1.0
+    assert _rel_err(parts.sum(1), ref) < 2e-2
+
+
 def test_router_topk_matches_topk_softmax():
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(5, 40, generator=g).to(DEVICE)  # continuous: no ties
