@@ -396,12 +396,20 @@ def run(args) -> list[Row]:
             print(f"  {label:28s} {lane:22s} TTFT {ttft:8.2f} ms  TPOT {tpot:8.3f} ms  ({tokens} tokens)",
                   flush=True)
 
-        graph = CudaGraphBackend(core.model, device, max_len)
-        row("persistent/cuda_graph", time_persistent(core, graph, prompt, args.new_tokens, args.reps),
-            args.new_tokens, count_kernels_per_token(graph))
-        if args.profile and shape == (args.profile_shape or args.shapes.split(",")[-1]):
-            profile_rows(graph, args.prompt_len + args.new_tokens // 2, label, args)
-        del graph
+        from replicas.kernels import moe as moe_dispatch
+
+        default_moe = moe_dispatch.MOE_KERNEL
+        for i, moe_kernel in enumerate([default_moe] + ([k for k in args.moe_kernels.split(",") if k != default_moe]
+                                                         if gpt_oss and args.moe_kernels else [])):
+            moe_dispatch.MOE_KERNEL = moe_kernel
+            graph = CudaGraphBackend(core.model, device, max_len)
+            lane = "persistent/cuda_graph" + (f" (moe={moe_kernel})" if gpt_oss and device.type == "cuda" else "")
+            row(lane, time_persistent(core, graph, prompt, args.new_tokens, args.reps), args.new_tokens,
+                count_kernels_per_token(graph))
+            if i == 0 and args.profile and shape == (args.profile_shape or args.shapes.split(",")[-1]):
+                profile_rows(graph, args.prompt_len + args.new_tokens // 2, label, args)
+            del graph
+        moe_dispatch.MOE_KERNEL = default_moe
         row("persistent/eager", time_persistent(core, EagerBackend(core.model, device), prompt, slow_tokens,
                                                 1 if gpt_oss else args.reps), slow_tokens)
         row("standard", time_standard(core, prompt, slow_tokens, 1 if gpt_oss else args.reps), slow_tokens)
@@ -566,6 +574,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--profile", action="store_true",
                    help="per-kernel breakdown of one decode step of the last shape, and the host gap")
     p.add_argument("--profile-shape", help="the shape --profile breaks down (default: the last)")
+    p.add_argument("--moe-kernels", default="",
+                   help="GPT-OSS: also time the persistent lane with these MoE decode kernels (scaled,mma,simt)")
     p.add_argument("--json", help="write rows as JSON here")
     p.add_argument("--plot", help="write a PNG bar chart here")
     p.add_argument("--replot", help="only re-draw --plot from a --json file of an earlier run")
