@@ -20,7 +20,7 @@ from replicas.kernels.triton_loader import lazy_kernel
 GROUPED_MAX_TOKENS = 16
 """Above this many tokens, dequantize-then-GEMM beats re-reading packed experts per (token, expert) pair."""
 
-MOE_KERNEL = os.environ.get("PERSISTENT_SERVE_MOE_KERNEL", "scaled")
+MOE_KERNEL = os.environ.get("PERSISTENT_SERVE_MOE_KERNEL", "mma")
 """Decode MoE kernels on CUDA: ``scaled`` — ``tl.dot_scaled`` (:mod:`replicas.kernels.triton_moe_scaled`);
 ``mma`` — our inline-PTX E2M1 decoding + ``tl.dot`` (:mod:`replicas.kernels.triton_moe_mma`, NVIDIA only);
 ``simt`` — the portable scalar kernels of :mod:`replicas.kernels.triton_moe`. Environment
