@@ -22,7 +22,7 @@ def _pool(deployment, config: AppConfig, pool: PoolConfig):
     """One lane's deployment: the pool's Serve/autoscaling options, one placement group per replica
     (bundle 0: the replica shell; bundle 1: its engine actor with the pool's GPUs)."""
     gpus = config.gpus_per_engine(pool)
-    engine_bundle = {"CPU": config.engine_num_cpus, **({"GPU": gpus} if gpus else {})}
+    engine_bundle = pool.engine_bundle(config.engine_num_cpus, gpus)
     return deployment.options(
         **pool.serve_options(),
         ray_actor_options={"num_cpus": REPLICA_CPUS},

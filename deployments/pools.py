@@ -45,6 +45,11 @@ class PoolConfig(BaseModel):
         None, ge=0, description="GPUs per engine of this pool (default: the app's engine_num_gpus rule)."
     )
 
+    accelerator_type: str | None = Field(
+        None, description="Only place engines on nodes advertising resource `accelerator_type:<this>` "
+        "(Ray's convention, e.g. AMD-Instinct-MI355X-OAM); None: any node with the GPUs.",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> PoolConfig:
         if self.min_replicas > self.max_replicas:
@@ -78,6 +83,19 @@ class PoolConfig(BaseModel):
             "metrics_interval_s": self.metrics_interval_s,
         }
         return opts
+
+    def engine_bundle(self, num_cpus: float, num_gpus: float) -> dict:
+        """The engine actor's placement-group bundle: its CPUs, GPUs and accelerator type."""
+        bundle: dict = {"CPU": num_cpus}
+        if num_gpus:
+            bundle["GPU"] = num_gpus
+        if self.accelerator_type:
+            bundle[f"accelerator_type:{self.accelerator_type}"] = ACCELERATOR_SHARE
+        return bundle
+
+
+ACCELERATOR_SHARE = 0.001
+"""Amount of the ``accelerator_type:<type>`` resource a bundle asks for (Ray's own convention)."""
 
 
 def persistent_pool_defaults() -> PoolConfig:
