@@ -106,7 +106,10 @@ def test_at_most_one_persistent_replica_per_gpu_and_the_pool_scales_up_and_down(
         async with httpx.AsyncClient() as c:
             await asyncio.gather(watch(), *(user(c) for _ in range(GPUS + 1)))
 
+    start = time.monotonic()
     asyncio.run(main())
+    print(f"\nscale-up: {time.monotonic() - start:.1f} s, replica states seen:",
+          [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]])
     assert max(s.get("RUNNING", 0) for s in seen) == GPUS, seen  # scaled up to every GPU, never beyond
     assert any(sum(s.values()) > GPUS for s in seen), seen  # the autoscaler wanted more than the GPUs allow
 
@@ -117,8 +120,10 @@ def test_at_most_one_persistent_replica_per_gpu_and_the_pool_scales_up_and_down(
     engines = httpx.get(f"{cluster_app}/debug/stats", timeout=30).json()["persistent"]["engines"]
     assert {e["placement_group_id"] for e in engines} == {pg["placement_group_id"] for pg in groups}
 
-    deadline = time.monotonic() + 120  # load stopped: back down to min_replicas
+    start = time.monotonic()
+    deadline = start + 120  # load stopped: back down to min_replicas
     while _replica_states() != {"RUNNING": 1}:
         assert time.monotonic() < deadline, _replica_states()
         time.sleep(1)
+    print(f"scale-down to 1 replica: {time.monotonic() - start:.1f} s after the load stopped")
     assert len(_gpu_groups()) == 1

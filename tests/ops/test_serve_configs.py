@@ -53,3 +53,17 @@ def test_rayservice_carries_the_same_serve_config(serve_config: dict) -> None:
     assert "accelerator_type:AMD-Instinct-MI355X-OAM" in group["rayStartParams"]["resources"]
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["amd.com/gpu"] == 8
+
+
+def test_laptop_override_of_the_serve_config_validates(serve_config: dict) -> None:
+    """README step 3: the same file with the embedded model on CPU."""
+    from deployments.config import AppConfig
+
+    args = dict(serve_config["applications"][0]["args"])
+    args.update(model="smollm2-135m-instruct", device="cpu", persistent_backend="auto",
+                persistent_decoder_checkpoint=None, dtype="auto", max_model_len=2048)
+    for pool in ("persistent_pool", "standard_pool"):
+        args[pool] = {k: v for k, v in args[pool].items() if k not in ("num_gpus", "accelerator_type")}
+    config = AppConfig.from_args(args)
+    assert config.gpus_per_engine(config.persistent_pool) == 0
+    assert config.persistent_pool.engine_bundle(0.5, 0) == {"CPU": 0.5}
