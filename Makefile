@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 # On our CPU dev/CI machines `torch==2.13.0` is a local CPU build; elsewhere it is PyPI's build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-test serve test lint
+.PHONY: install install-test serve test test-stress test-cluster lint
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
@@ -20,6 +20,13 @@ serve: install
 
 test: install-test
 	$(PYTHON) -m pytest -q
+
+# Longer stages, each in its own pytest run (own Ray cluster): `-m` overrides the default filter.
+test-stress: install-test
+	$(PYTHON) -m pytest -q -s -m stress tests/deployments/test_stress.py
+
+test-cluster: install-test
+	$(PYTHON) -m pytest -q -m cluster tests/deployments/test_cluster.py
 
 lint:
 	$(PYTHON) -m ruff check .

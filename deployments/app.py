@@ -11,17 +11,20 @@ from ray.serve import Application
 
 from deployments.config import AppConfig
 from deployments.ingress import OpenAIIngress
+from deployments.pools import PoolConfig
 from deployments.replicas import PersistentReplica, StandardReplica
 
 REPLICA_CPUS = 0.05
 """CPUs of a replica's own bundle (the thin async shell; the engine actor has bundle 1)."""
 
 
-def _pool(deployment, config: AppConfig, replicas: int):
-    gpus = config.gpus_per_engine()
-    engine_bundle = {"CPU": config.engine_num_cpus, **({"GPU": gpus} if gpus else {})}
+def _pool(deployment, config: AppConfig, pool: PoolConfig):
+    """One lane's deployment: the pool's Serve/autoscaling options, one placement group per replica
+    (bundle 0: the replica shell; bundle 1: its engine actor with the pool's GPUs)."""
+    gpus = config.gpus_per_engine(pool)
+    engine_bundle = pool.engine_bundle(config.engine_num_cpus, gpus)
     return deployment.options(
-        num_replicas=replicas,
+        **pool.serve_options(),
         ray_actor_options={"num_cpus": REPLICA_CPUS},
         placement_group_bundles=[{"CPU": REPLICA_CPUS}, engine_bundle],
         placement_group_strategy="STRICT_PACK",
@@ -35,8 +38,8 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
         pydantic.ValidationError: bad arguments (e.g. ``required`` with a missing checkpoint).
     """
     config = args if isinstance(args, AppConfig) else AppConfig.from_args(args)
-    standard = _pool(StandardReplica, config, config.num_standard_replicas)
-    persistent = _pool(PersistentReplica, config, config.num_persistent_replicas) if config.persistent_enabled else None
+    standard = _pool(StandardReplica, config, config.standard_pool)
+    persistent = _pool(PersistentReplica, config, config.persistent_pool) if config.persistent_enabled else None
     return OpenAIIngress.options(ray_actor_options={"num_cpus": REPLICA_CPUS}).bind(config, persistent, standard)
 
 

@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> dict:
                    help="persistent backend (default auto; mk1 needs AMD aiter on an MI355X)")
     p.add_argument("--num-persistent-replicas", type=int, help="persistent-lane replicas (default 1)")
     p.add_argument("--num-standard-replicas", type=int, help="standard-lane replicas (default 1)")
+    p.add_argument("--spillover-wait-s", type=float,
+                   help="seconds an eligible request waits for a busy persistent pool before going standard "
+                        "(default 0.5)")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")

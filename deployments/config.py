@@ -10,10 +10,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments.pools import PoolConfig, persistent_pool_defaults, standard_pool_defaults
 from ops.tracing import TracingConfig
 from policy import Mode
 from replicas.config import EngineConfig
 from replicas.persistent.checkpoint import CheckpointError, check_checkpoint_dir
+from replicas.persistent.faults import FaultInjection
 
 
 class AppConfig(BaseModel):
@@ -36,17 +38,55 @@ class AppConfig(BaseModel):
         "graphs); mk1 (AMD aiter MK1 on MI355X, "
         "needs AMD's aiter built from source); auto picks the best available.",
     )
-    num_persistent_replicas: int = Field(1, ge=0, description="Persistent-lane replicas (one GPU each on GPU).")
-    num_standard_replicas: int = Field(1, ge=1, description="Standard-lane replicas (one GPU each on GPU).")
+    num_persistent_replicas: int | None = Field(
+        None, ge=0, description="Shorthand for a fixed-size persistent pool (min = max = this many replicas)."
+    )
+    num_standard_replicas: int | None = Field(
+        None, ge=1, description="Shorthand for a fixed-size standard pool (min = max = this many replicas)."
+    )
+    persistent_pool: PoolConfig = Field(
+        default_factory=persistent_pool_defaults,
+        description="Serve/autoscaling options of the persistent pool (batch one: max_ongoing_requests=1).",
+    )
+    standard_pool: PoolConfig = Field(
+        default_factory=standard_pool_defaults, description="Serve/autoscaling options of the standard pool."
+    )
+    spillover_wait_s: float = Field(
+        0.5, ge=0, description="auto/required: how long an eligible request waits for a free persistent replica "
+        "before it goes to the standard lane (reason persistent_capacity).",
+    )
+    persistent_fault_injection: FaultInjection | None = Field(
+        None, description="Tests only: make the persistent backend fail on purpose. Off by default.",
+    )
     engine_num_cpus: float = Field(0.5, gt=0, description="CPUs reserved for each engine actor's bundle.")
     engine_num_gpus: float | None = Field(
         None, ge=0, description="GPUs per engine actor; default 1 when the engine device is CUDA, else 0."
     )
     tracing: TracingConfig = Field(default_factory=TracingConfig, description="OpenTelemetry exporter settings.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _replica_shorthands(cls, data):
+        """Pool dicts are merged onto their lane's defaults; ``num_*_replicas=N`` pins that pool to N."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for lane, defaults in (("persistent", persistent_pool_defaults), ("standard", standard_pool_defaults)):
+            pool = data.get(f"{lane}_pool")
+            if isinstance(pool, PoolConfig):
+                pool = pool.model_dump(exclude_unset=True)
+            pool = {**defaults().model_dump(), **(pool or {})}
+            n = data.get(f"num_{lane}_replicas")
+            if n is not None:
+                pool.update(min_replicas=n, max_replicas=n, initial_replicas=None)
+            data[f"{lane}_pool"] = pool
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> AppConfig:
-        if self.persistent_decoder is Mode.REQUIRED and self.num_persistent_replicas < 1:
+        if self.standard_pool.max_replicas < 1:
+            raise ValueError("the standard pool needs at least one replica (max_replicas >= 1)")
+        if self.persistent_decoder is Mode.REQUIRED and self.persistent_pool.max_replicas < 1:
             raise ValueError("persistent-decoder=required needs at least one persistent replica")
         ckpt = self.persistent_decoder_checkpoint
         if self.persistent_decoder is Mode.REQUIRED and ckpt is not None:
@@ -61,9 +101,13 @@ class AppConfig(BaseModel):
 
     @property
     def persistent_enabled(self) -> bool:
-        return self.persistent_decoder is not Mode.OFF and self.num_persistent_replicas > 0
+        return self.persistent_decoder is not Mode.OFF and self.persistent_pool.max_replicas > 0
 
-    def gpus_per_engine(self) -> float:
+    def gpus_per_engine(self, pool: PoolConfig | None = None) -> float:
+        """GPUs for one engine actor of ``pool``: the pool's ``num_gpus``, else ``engine_num_gpus``,
+        else 1 on a CUDA device and 0 on CPU."""
+        if pool is not None and pool.num_gpus is not None:
+            return pool.num_gpus
         if self.engine_num_gpus is not None:
             return self.engine_num_gpus
         return 1.0 if self.engine.resolved_device().type == "cuda" else 0.0

@@ -28,6 +28,7 @@ from deployments.protocol import (
     now,
     validation_error,
 )
+from deployments.replicas import engine_actor_stats
 from deployments.router import Router
 from deployments.tokenize_api import (
     DetokenizeRequest,
@@ -67,6 +68,15 @@ async def _http_error(_: Request, exc: StarletteHTTPException):
     return _error_response(OpenAIError(str(exc.detail), status=exc.status_code, type_=kind))
 
 
+_SUMMED = ("kv_pages_total", "kv_pages_free", "running", "waiting")
+
+
+def _pool_totals(engines: list[dict]) -> dict:
+    """One lane's view for ``/debug/stats``: the engines' page/queue counts summed, and each engine."""
+    totals = {key: sum(int(e.get(key, 0)) for e in engines) for key in _SUMMED}
+    return {**totals, "replicas": len(engines), "engines": engines}
+
+
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=256)
 @serve.ingress(api)
 class OpenAIIngress:
@@ -85,9 +95,10 @@ class OpenAIIngress:
         self.token_text = TokenText(self.tokenizer)
         self.router = Router(
             config.persistent_decoder, persistent if config.persistent_enabled else None, standard,
-            self.max_model_len, config.num_persistent_replicas,
+            self.max_model_len, config.spillover_wait_s,
         )
         self.persistent, self.standard = persistent, standard
+        self.app_name = serve.get_replica_context().app_name
 
     # ---- endpoints -------------------------------------------------------------------------
     @api.get("/health")
@@ -103,11 +114,15 @@ class OpenAIIngress:
 
     @api.get("/debug/stats")
     async def stats(self):
-        """KV page accounting per lane (one replica of each answers)."""
-        out = {"standard": await self.standard.stats.remote()}
+        """KV page accounting per lane, summed over every live engine of this app, plus router counters.
+
+        ``kv_pages_free == kv_pages_total`` for each lane when no request is in flight; anything
+        else once traffic has stopped is a leak (the reliability tests read exactly this).
+        """
+        out = {"standard": _pool_totals(await engine_actor_stats("standard", self.app_name))}
         if self.router.persistent is not None:
-            out["persistent"] = await self.persistent.stats.remote()
-        out["router"] = {"persistent_in_flight": self.router.in_flight}
+            out["persistent"] = _pool_totals(await engine_actor_stats("persistent", self.app_name))
+        out["router"] = self.router.stats()
         return out
 
     @api.post("/v1/chat/completions")

@@ -24,9 +24,17 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+RETRY_AFTER_S = 1
+"""``Retry-After`` seconds sent with 503 overloaded (the pools drain or scale within seconds)."""
+
+
 def to_http(err: GenerationError) -> OpenAIError:
+    """The HTTP error for a failed request: 400 (validation), 503 + Retry-After (overloaded), else 500."""
     if err.stage == "validation":
         return OpenAIError(err.message, param="messages")
+    if err.reason == "overloaded":
+        return OpenAIError(err.message, status=503, type_="server_error", code="overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
     return OpenAIError(err.message, status=500, type_="server_error", code=err.reason)
 
 

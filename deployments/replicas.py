@@ -9,6 +9,7 @@ marked unhealthy after a launch failure, so Serve replaces it.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import ray
@@ -17,10 +18,40 @@ from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from replicas.engine_actor import EngineActor
-from replicas.messages import GenerateRequest
+from replicas.messages import GenerateRequest, Started
 
 ENGINE_ACTOR_PREFIX = "persistent-serve-engine-"
-"""Engine actors are named ``<prefix><lane>-<id>`` so operators and benchmarks can find them."""
+"""Engine actors are named ``<prefix><lane>-<id>@<app>`` so operators, benchmarks and the
+ingress's ``/debug/stats`` can find them (see :func:`engine_actor_stats`)."""
+
+
+def engine_actor_name(lane: str, app: str) -> str:
+    """A fresh engine actor name for ``lane`` in the Serve application ``app``."""
+    return f"{ENGINE_ACTOR_PREFIX}{lane}-{uuid.uuid4().hex[:8]}@{app}"
+
+
+def _live_engine_actors(lane: str, app: str) -> list:
+    """Handles of ``app``'s engine actors of ``lane`` (blocking GCS look-ups: call off the event loop)."""
+    out = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if name.startswith(f"{ENGINE_ACTOR_PREFIX}{lane}-") and name.endswith(f"@{app}"):
+            try:
+                out.append(ray.get_actor(name, namespace=entry["namespace"]))
+            except ValueError:  # gone since the listing (its replica was replaced)
+                pass
+    return out
+
+
+async def engine_actor_stats(lane: str, app: str) -> list[dict]:
+    """``stats()`` of every live engine actor of ``lane`` in ``app``, read from the actors directly.
+
+    Not through the Serve handle: a persistent replica holds one request at a
+    time (``max_ongoing_requests=1``), so a stats call would queue behind it.
+    """
+    actors = await asyncio.to_thread(_live_engine_actors, lane, app)
+    results = await asyncio.gather(*(a.stats.remote() for a in actors), return_exceptions=True)
+    return [r for r in results if isinstance(r, dict)]  # an actor dying meanwhile is skipped
 
 
 class _EngineReplica:
@@ -32,17 +63,20 @@ class _EngineReplica:
         actor_cls = ray.remote(EngineActor)
         self.actor = actor_cls.options(
             num_cpus=engine_num_cpus, num_gpus=engine_num_gpus, scheduling_strategy=strategy,
-            max_concurrency=1000, name=f"{ENGINE_ACTOR_PREFIX}{self.lane}-{uuid.uuid4().hex[:8]}",
+            max_concurrency=1000, name=engine_actor_name(self.lane, serve.get_replica_context().app_name),
         ).remote(
             config.engine, self.lane, config.persistent_decoder.value, config.persistent_backend,
-            config.persistent_decoder_checkpoint,
+            config.persistent_decoder_checkpoint, config.persistent_fault_injection,
         )
         # Block construction until the engine is loaded: a failed load fails the replica (and,
         # with --persistent-decoder required, the app) with the engine's own message.
         self.info = ray.get(self.actor.ready.remote())
 
     async def generate(self, g: GenerateRequest):
-        """Stream the engine actor's events for ``g`` (see ``replicas.messages``)."""
+        """Stream the engine actor's events for ``g`` (see ``replicas.messages``); the persistent
+        pool first yields :class:`Started` so the router knows a replica took the request."""
+        if self.lane == "persistent":
+            yield Started(g.request_id)
         stream = self.actor.generate.options(num_returns="streaming").remote(g)
         finished = False
         try:
@@ -68,7 +102,7 @@ class _EngineReplica:
             raise RuntimeError(f"persistent decoder unhealthy: {stats.get('unhealthy_reason')}")
 
 
-@serve.deployment(name="PersistentReplica", max_ongoing_requests=4, health_check_period_s=5)
+@serve.deployment(name="PersistentReplica", max_ongoing_requests=1, health_check_period_s=5)
 class PersistentReplica(_EngineReplica):
     """Batch-one greedy decoding in quanta (the persistent lane)."""
 

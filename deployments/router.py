@@ -4,14 +4,24 @@ It runs inside the ingress process, so routing adds no Ray hop: the request
 goes ingress → replica → engine actor. Every request gets a ``route`` span;
 every request that could have gone persistent but did not gets a ``fallback``
 span with the reason and stage (``ops.tracing``).
+
+Spillover: an eligible request is queued on the persistent pool (Serve holds
+it until a replica, ``max_ongoing_requests=1``, is free; that queue is what
+the pool autoscales on). If no replica takes it within ``spillover_wait_s``,
+or Serve's ``max_queued_requests`` refuses it, it goes to the standard lane
+with reason ``persistent_capacity``: a ``fallback`` span and the counter
+``persistent_serve_spillovers_total``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
 from opentelemetry import trace
+from ray.serve.exceptions import BackPressureError
 
 from ops.tracing import ATTR_LANE, ATTR_REASON, SPAN_ROUTE, get_tracer, record_fallback
 from policy import (
@@ -22,42 +32,65 @@ from policy import (
     check_admission,
     choose_lane,
 )
-from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
+from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection, Started
+
+OVERLOADED = "overloaded"
+"""``GenerationError.reason`` when the standard pool's queue is full (HTTP 503 + Retry-After)."""
 
 UNHEALTHY_RETRY_S = 5.0
 """After a replica reports an unhealthy or unusable decoder, skip the persistent lane this long
 (Serve replaces an unhealthy replica meanwhile), then try it again."""
 
 
+def spillover_counter():
+    """Prometheus counter ``persistent_serve_spillovers_total{reason}`` (Ray's metrics API)."""
+    from ray.util.metrics import Counter
+
+    return Counter("persistent_serve_spillovers_total",
+                   description="Eligible requests sent to the standard lane because every persistent "
+                   "replica stayed busy for spillover_wait_s.", tag_keys=("reason",))
+
+
 class Router:
-    """Lane choice and fallback for one ingress replica.
+    """Lane choice, spillover and fallback for one ingress replica.
 
     Args:
         mode: persistent-decoder mode.
         persistent: Serve handle of the persistent deployment (None when off).
         standard: Serve handle of the standard deployment.
         max_model_len: context limit used for admission.
-        persistent_capacity: concurrent requests the persistent pool takes
-            (its replica count: batch one each).
+        spillover_wait_s: how long an eligible request waits for a persistent
+            replica to take it (Serve queues it meanwhile, which is also the
+            demand signal the pool autoscales on) before it spills to the
+            standard lane with reason ``persistent_capacity``.
     """
 
-    def __init__(self, mode: Mode, persistent, standard, max_model_len: int, persistent_capacity: int):
+    def __init__(self, mode: Mode, persistent, standard, max_model_len: int, spillover_wait_s: float = 0.5):
         self.mode = mode
         self.persistent = persistent
         self.standard = standard
         self.max_model_len = max_model_len
-        self.capacity = persistent_capacity
+        self.spillover_wait_s = spillover_wait_s
         self.in_flight = 0
+        self.spillovers = 0
+        self.overloaded = 0
+        self._spill_counter = spillover_counter()
         self._unhealthy_until = 0.0
         self._unsupported_until = 0.0
 
     def _status(self) -> PersistentLaneStatus:
+        # capacity is not guessed here: an eligible request queues for a replica and spills on timeout
         return PersistentLaneStatus(
             available=self.persistent is not None,
             healthy=time.monotonic() >= self._unhealthy_until,
             envelope_supported=time.monotonic() >= self._unsupported_until,
-            has_capacity=self.in_flight < self.capacity,
+            has_capacity=True,
         )
+
+    def stats(self) -> dict:
+        """Router counters for ``/debug/stats``."""
+        return {"persistent_in_flight": self.in_flight, "spillovers": self.spillovers,
+                "overloaded": self.overloaded}
 
     def decide(self, g: GenerateRequest):
         """The lane decision for ``g`` (pure: policy admission + lane choice)."""
@@ -65,8 +98,31 @@ class Router:
         reason = check_admission(g.admission_input(self.max_model_len, enabled=enabled))
         return choose_lane(self.mode, reason, self._status())
 
+    async def _take_persistent(self, g: GenerateRequest):
+        """Queue ``g`` on the persistent pool; the stream once a replica took it, or None on spillover."""
+        stream = self.persistent.options(stream=True).generate.remote(g)
+        first = asyncio.ensure_future(stream.__anext__())
+        try:
+            done, _ = await asyncio.wait({first}, timeout=self.spillover_wait_s)
+        except asyncio.CancelledError:  # the client went away while queued
+            stream.cancel()
+            first.cancel()
+            raise
+        if done and first.exception() is None and isinstance(first.result(), Started):
+            return stream
+        stream.cancel()  # still queued (or refused by Serve's max_queued_requests): drop it
+        if not done:
+            first.cancel()
+        with contextlib.suppress(BaseException):
+            await first
+        return None
+
     async def generate(self, g: GenerateRequest) -> AsyncIterator[GenerationChunk | GenerationError]:
-        """Stream the request's chunks from whichever lane serves it (fallbacks included)."""
+        """Stream the request's chunks from whichever lane serves it (fallbacks included).
+
+        Yields a :class:`GenerationError` with reason ``overloaded`` (stage ``admission``)
+        when the standard pool refuses the request (Serve back-pressure).
+        """
         decision = self.decide(g)
         span = get_tracer().start_span(SPAN_ROUTE, attributes={
             ATTR_LANE: decision.lane.value, "mode": self.mode.value, "request.id": g.request_id,
@@ -78,36 +134,55 @@ class Router:
             if lane is Lane.STANDARD and self.mode is not Mode.OFF:
                 self._fallback(span, decision.reason.value, "prelaunch", g.request_id)
             if lane is Lane.PERSISTENT:
-                rejected = None
-                self.in_flight += 1
-                try:
-                    async for item in self.persistent.options(stream=True).generate.remote(g):
-                        if isinstance(item, Rejection):
-                            rejected = item
-                            break
-                        if isinstance(item, GenerationError) and item.stage == "postlaunch":
-                            # terminal for this request: traced, never retried on another lane
-                            self._fallback(span, item.reason, "postlaunch", g.request_id, lane=None)
-                            self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
-                        elif isinstance(item, GenerationChunk) and item.fallback_reason:
-                            self._fallback(span, item.fallback_reason, "prelaunch", g.request_id,
-                                           lane="persistent", continued_on="reference_decode")
-                        yield item
-                finally:
-                    self.in_flight -= 1
-                if rejected is None:
-                    return
-                if rejected.reason == Reason.DECODER_UNHEALTHY.value:
-                    self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
-                elif rejected.reason == Reason.UNSUPPORTED_ENVELOPE.value:
-                    self._unsupported_until = time.monotonic() + UNHEALTHY_RETRY_S
-                self._fallback(span, rejected.reason, "prelaunch", g.request_id)
-                span.set_attribute(ATTR_LANE, Lane.STANDARD.value)
-                span.set_attribute(ATTR_REASON, rejected.reason)
-            async for item in self.standard.options(stream=True).generate.remote(g):
-                yield item
+                stream = await self._take_persistent(g)
+                if stream is None:
+                    self._spill(span, g.request_id)
+                else:
+                    rejected = None
+                    self.in_flight += 1
+                    try:
+                        async for item in stream:
+                            if isinstance(item, Rejection):
+                                rejected = item
+                                break
+                            if isinstance(item, GenerationError) and item.stage == "postlaunch":
+                                # terminal for this request: traced, never retried on another lane
+                                self._fallback(span, item.reason, "postlaunch", g.request_id, lane=None)
+                                self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
+                            elif isinstance(item, GenerationChunk) and item.fallback_reason:
+                                self._fallback(span, item.fallback_reason, "prelaunch", g.request_id,
+                                               lane="persistent", continued_on="reference_decode")
+                            yield item
+                    finally:
+                        self.in_flight -= 1
+                    if rejected is None:
+                        return
+                    if rejected.reason == Reason.DECODER_UNHEALTHY.value:
+                        self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
+                    elif rejected.reason == Reason.UNSUPPORTED_ENVELOPE.value:
+                        self._unsupported_until = time.monotonic() + UNHEALTHY_RETRY_S
+                    self._fallback(span, rejected.reason, "prelaunch", g.request_id)
+                    span.set_attribute(ATTR_LANE, Lane.STANDARD.value)
+                    span.set_attribute(ATTR_REASON, rejected.reason)
+            try:
+                async for item in self.standard.options(stream=True).generate.remote(g):
+                    yield item
+            except BackPressureError as exc:
+                self.overloaded += 1
+                span.set_attribute("overloaded", True)
+                yield GenerationError(g.request_id, f"the server is overloaded, retry later ({exc})",
+                                      Lane.STANDARD.value, stage="admission", reason=OVERLOADED)
         finally:
             span.end()
+
+    def _spill(self, span, request_id: str) -> None:
+        """Every persistent replica stayed busy for ``spillover_wait_s``: go standard, traced and counted."""
+        reason = Reason.PERSISTENT_CAPACITY.value
+        self.spillovers += 1
+        self._spill_counter.inc(tags={"reason": reason})
+        self._fallback(span, reason, "prelaunch", request_id, waited_s=self.spillover_wait_s)
+        span.set_attribute(ATTR_LANE, Lane.STANDARD.value)
+        span.set_attribute(ATTR_REASON, reason)
 
     @staticmethod
     def _fallback(span, reason: str, stage: str, request_id: str, lane: str | None = "standard", **attrs) -> None:

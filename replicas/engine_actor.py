@@ -25,6 +25,7 @@ from replicas.messages import GenerateRequest, GenerationChunk, GenerationError,
 from replicas.persistent.checkpoint import CheckpointError
 from replicas.persistent.contract import PersistentDecoderError
 from replicas.persistent.factory import create_backend
+from replicas.persistent.faults import FaultInjectingBackend, FaultInjection
 from replicas.persistent.lane import PersistentLane
 
 logger = logging.getLogger(__name__)
@@ -67,13 +68,16 @@ class EngineActor:
         mode: persistent-decoder mode (``off``/``auto``/``required``).
         backend: persistent backend name (``auto``, ``eager``).
         checkpoint: persistent-decoder checkpoint directory, or None.
+        fault_injection: tests only: wrap the persistent backend so it fails on
+            schedule (:class:`~replicas.persistent.faults.FaultInjection`); None in production.
 
     Raises:
         PersistentDecoderLoadError: ``required`` mode and the decoder failed to load.
     """
 
     def __init__(self, config: EngineConfig, lane: str = "standard", mode: str = "auto",
-                 backend: str = "auto", checkpoint: str | None = None):
+                 backend: str = "auto", checkpoint: str | None = None,
+                 fault_injection: FaultInjection | dict | None = None):
         if lane not in ("standard", "persistent"):
             raise ValueError(f"lane must be 'standard' or 'persistent', got {lane!r}")
         self.lane_name = lane
@@ -91,6 +95,8 @@ class EngineActor:
             decoder, error = None, None
             try:
                 decoder = create_backend(backend, self.core, checkpoint)
+                if fault_injection is not None:
+                    decoder = FaultInjectingBackend(decoder, FaultInjection.model_validate(fault_injection))
             except (PersistentDecoderError, CheckpointError) as exc:
                 if self.mode is Mode.REQUIRED:
                     raise PersistentDecoderLoadError(
@@ -119,7 +125,8 @@ class EngineActor:
 
     async def stats(self) -> dict:
         """KV page accounting and queue depth (read by tests and the debug endpoint)."""
-        return self.persistent.stats() if self.persistent else self.engine.stats()
+        stats = self.persistent.stats() if self.persistent else self.engine.stats()
+        return {**stats, "placement_group_id": _placement_group_id()}
 
     async def generate(self, g: GenerateRequest) -> AsyncIterator[Item]:
         """Stream the events of one request (see :mod:`replicas.messages`)."""

@@ -118,3 +118,15 @@ class GenerationError:
     lane: str
     stage: str = "postlaunch"
     reason: str = "backend_launch_error"
+
+
+@dataclass
+class Started:
+    """First item of a persistent replica's stream: a replica took the request (it left Serve's queue).
+
+    The router waits for it at most ``spillover_wait_s`` before spilling the
+    request to the standard lane (reason ``persistent_capacity``). Never
+    forwarded to the client.
+    """
+
+    request_id: str

@@ -7,6 +7,7 @@ Tracing goes over OTLP/HTTP to a real receiver started here.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -47,7 +48,7 @@ def server(otlp, tiny_gpt_oss):
 
     from deployments.app import build_app
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = {"max_model_len": 1024, "num_kv_blocks": 256, "tracing_exporter": "otlp",
@@ -94,3 +95,51 @@ def client(server):
     assert_pages_returned(server)
     assert_pages_returned(f"{server}/off")
     assert_pages_returned(f"{server}/gptoss")
+
+
+def wait_healthy(base: str, timeout: float = 120.0) -> None:
+    """Poll ``GET {base}/health`` until it answers 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{base} never became healthy")
+
+
+@contextlib.contextmanager
+def extra_app(server: str, otlp, name: str, **args):
+    """Deploy one more small app (SmolLM2, short context) on the session's Serve instance at
+    ``/<name>``; delete it afterwards so later tests get its CPUs and memory back."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    common = {"max_model_len": 256, "num_kv_blocks": 64, "tracing_exporter": "otlp",
+              "tracing_endpoint": otlp.endpoint, "progress": False, "engine_num_cpus": 0.1}
+    serve.run(build_app({**common, **args}), name=name, route_prefix=f"/{name}", blocking=False)
+    base = f"{server}/{name}"
+    try:
+        serve_status_wait(name)
+        wait_healthy(base)
+        yield base
+    finally:
+        serve.delete(name)
+
+
+def serve_status_wait(name: str, timeout: float = 180.0) -> None:
+    """Wait until the Serve application ``name`` is RUNNING; raise with its status if it fails."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(name)
+        if app is not None and app.status == "RUNNING":
+            return
+        if app is not None and app.status == "DEPLOY_FAILED":
+            raise AssertionError(f"app {name} failed to deploy: {app.message}")
+        time.sleep(0.5)
+    raise AssertionError(f"app {name} not running after {timeout} s: {serve.status().applications.get(name)}")

@@ -201,14 +201,19 @@ def test_malformed_http_gets_openai_error(server, path, kwargs, status, needle):
 
 
 def test_each_engine_actor_runs_in_its_replicas_placement_group(server):
+    """Every engine actor sits in bundle 1 of its own replica's placement group (one group per replica)."""
+    from ray.util import placement_group_table
+
     from tests.deployments.conftest import pool_stats
 
     stats = pool_stats(server)
-    for lane in ("standard", "persistent"):
-        s = stats[lane]
-        assert s["replica_placement_group_id"], s
-        assert s["engine_placement_group_id"] == s["replica_placement_group_id"], s
-    assert stats["standard"]["replica_placement_group_id"] != stats["persistent"]["replica_placement_group_id"]
+    groups = [e["placement_group_id"] for lane in ("standard", "persistent") for e in stats[lane]["engines"]]
+    assert len(groups) == 2 and all(groups) and len(set(groups)) == 2, stats
+    table = placement_group_table()
+    for pg in groups:
+        bundles = table[pg]["bundles"]
+        assert len(bundles) == 2 and bundles[1]["CPU"] == 0.5, bundles  # shell + engine bundle
+        assert table[pg]["strategy"] == "STRICT_PACK"
 
 
 def test_nulls_mean_defaults_and_empty_stop_is_ignored(client):

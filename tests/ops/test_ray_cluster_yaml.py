@@ -44,28 +44,29 @@ def test_passes_rays_own_config_validation(config: dict[str, Any]) -> None:
     util = pytest.importorskip("ray.autoscaler._private.util")
     prepared = util.prepare_config(config)  # merges the provider's defaults, as `ray up` does
     util.validate_config(prepared)
-    assert prepared["available_node_types"]["gpu_worker"]["max_workers"] == 4
+    assert prepared["available_node_types"]["mi355x_worker"]["max_workers"] == 4
 
 
 def test_node_types(config: dict[str, Any]) -> None:
     assert config["cluster_name"] == "persistent-serve"
     node_types = config["available_node_types"]
     assert config["head_node_type"] == "head"
-
     head = node_types["head"]
-    assert head["resources"].get("GPU", 0) == 0
-    assert head["resources"]["CPU"] > 0
-
-    worker = node_types["gpu_worker"]
+    assert head["resources"].get("GPU", 0) == 0 and head["resources"]["CPU"] > 0
+    worker = node_types["mi355x_worker"]
     assert worker["resources"]["GPU"] == 8
-    assert worker["min_workers"] == 0
-    assert worker["max_workers"] == 4
+    assert worker["resources"]["accelerator_type:AMD-Instinct-MI355X-OAM"] == 8
+    assert 0 <= worker["min_workers"] <= worker["max_workers"] <= config["max_workers"]
     assert sum(t.get("min_workers", 0) for t in node_types.values()) <= config["max_workers"]
-    assert worker["max_workers"] <= config["max_workers"]
+    # the worker's `ray start` advertises the same accelerator resource the node type declares
+    assert any("accelerator_type:AMD-Instinct-MI355X-OAM" in c for c in config["worker_start_ray_commands"])
 
 
-def test_installs_the_mounted_project(config: dict[str, Any]) -> None:
+def test_installs_the_project_and_aiter_from_source_and_starts_serve(config: dict[str, Any]) -> None:
     assert config["file_mounts"] == {"~/persistent-serve": "."}
     assert (REPO_ROOT / "pyproject.toml").is_file()  # `ray up` runs from the repo root
     assert "pip install -e ~/persistent-serve" in config["setup_commands"]
-    assert any(cmd.startswith('pip install "torch==') for cmd in config["setup_commands"])
+    worker = " ".join(config["worker_setup_commands"])
+    assert "git clone" in worker and "ROCm/aiter" in worker and "pip install aiter" not in worker
+    assert any("serve deploy serve_config.yaml" in c for c in config["head_start_ray_commands"])
+    assert (REPO_ROOT / "serve_config.yaml").is_file()

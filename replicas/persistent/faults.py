@@ -1,0 +1,77 @@
+"""Fault injection for the persistent backend: a configuration switch used only by tests.
+
+Off unless ``persistent_fault_injection`` is set in the app config (it never is
+by default). When set, the replica's backend is wrapped in
+:class:`FaultInjectingBackend`, which fails every ``every_n``-th quantum of that
+replica in one of the two ways the contract (DESIGN.md, "Persistent decode
+contract") distinguishes:
+
+- ``prelaunch``: raise :class:`PrelaunchError` before calling the backend, so
+  the KV cache is untouched and the lane falls back;
+- ``after_launch``: run the real quantum (the cache has changed), then raise
+  :class:`BackendLaunchError`: terminal for the request, decoder unhealthy.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from replicas.persistent.contract import (
+    BackendLaunchError,
+    CacheBinding,
+    PersistentBackend,
+    PrelaunchError,
+    QuantumRequest,
+    QuantumResult,
+)
+
+INJECTED_REASON = "injected_fault"
+"""``PrelaunchError.reason`` of an injected prelaunch failure."""
+
+
+class FaultInjection(BaseModel):
+    """Which quanta fail, and how (tests only)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stage: Literal["prelaunch", "after_launch"] = Field(
+        description="prelaunch: fail before launch (falls back); after_launch: fail after the quantum ran."
+    )
+    every_n: int = Field(1, ge=1, description="Fail the n-th, 2n-th, ... quantum run by this replica.")
+
+
+class FaultInjectingBackend(PersistentBackend):
+    """Wraps a real backend; fails the quanta chosen by ``spec``, runs the others unchanged.
+
+    Args:
+        inner: the real backend (already constructed, not yet bound).
+        spec: the fault schedule.
+    """
+
+    def __init__(self, inner: PersistentBackend, spec: FaultInjection):
+        self.inner = inner
+        self.spec = spec
+        self.name = inner.name
+        self.checks_stop_set_on_device = inner.checks_stop_set_on_device
+        self.quanta_seen = 0
+
+    def bind_cache(self, binding: CacheBinding) -> None:
+        self.inner.bind_cache(binding)
+
+    def run_quantum(self, req: QuantumRequest) -> QuantumResult:
+        """Run ``req`` on the inner backend, or fail it as scheduled.
+
+        Raises:
+            PrelaunchError: scheduled ``prelaunch`` fault (reason ``injected_fault``).
+            BackendLaunchError: scheduled ``after_launch`` fault (the quantum did run).
+        """
+        self.quanta_seen += 1
+        fail = self.quanta_seen % self.spec.every_n == 0
+        if fail and self.spec.stage == "prelaunch":
+            raise PrelaunchError(f"injected prelaunch fault (quantum {self.quanta_seen})", reason=INJECTED_REASON)
+        result = self.inner.run_quantum(req)
+        if fail:
+            raise BackendLaunchError(f"injected fault after launch (quantum {self.quanta_seen})")
+        return result

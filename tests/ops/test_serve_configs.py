@@ -1,0 +1,69 @@
+"""serve_config.yaml parses with Ray Serve's own schema models and builds our app; the KubeRay
+RayService carries the same Serve config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def serve_config() -> dict:
+    return yaml.safe_load((REPO_ROOT / "serve_config.yaml").read_text())
+
+
+def test_parses_with_serves_deploy_schema(serve_config: dict) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(serve_config)
+    (app,) = schema.applications
+    assert app.import_path == "deployments.app:build_app" and app.route_prefix == "/"
+
+
+def test_args_build_the_app_with_per_pool_autoscaling(serve_config: dict) -> None:
+    from deployments.app import build_app
+    from deployments.config import AppConfig
+
+    args = serve_config["applications"][0]["args"]
+    config = AppConfig.from_args(args)  # the same validation `serve deploy` runs in build_app
+    persistent, standard = config.persistent_pool, config.standard_pool
+    assert persistent.max_ongoing_requests == 1 and persistent.target_ongoing_requests == 1
+    assert persistent.autoscaling and standard.autoscaling
+    assert persistent.serve_options()["autoscaling_config"]["max_replicas"] == 16
+    assert standard.serve_options()["max_queued_requests"] == 256
+    assert persistent.engine_bundle(0.5, config.gpus_per_engine(persistent)) == {
+        "CPU": 0.5, "GPU": 1, "accelerator_type:AMD-Instinct-MI355X-OAM": 0.001}
+    app = build_app(config)  # builds the deployment graph (nothing starts)
+    assert app is not None
+
+
+def test_rayservice_carries_the_same_serve_config(serve_config: dict) -> None:
+    manifest = yaml.safe_load((REPO_ROOT / "deploy" / "rayservice.yaml").read_text())
+    assert manifest["kind"] == "RayService" and manifest["apiVersion"] == "ray.io/v1"
+    assert yaml.safe_load(manifest["spec"]["serveConfigV2"]) == serve_config
+    cluster = manifest["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    (group,) = cluster["workerGroupSpecs"]
+    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    assert group["rayStartParams"]["num-gpus"] == "8"
+    assert "accelerator_type:AMD-Instinct-MI355X-OAM" in group["rayStartParams"]["resources"]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["amd.com/gpu"] == 8
+
+
+def test_laptop_override_of_the_serve_config_validates(serve_config: dict) -> None:
+    """README step 3: the same file with the embedded model on CPU."""
+    from deployments.config import AppConfig
+
+    args = dict(serve_config["applications"][0]["args"])
+    args.update(model="smollm2-135m-instruct", device="cpu", persistent_backend="auto",
+                persistent_decoder_checkpoint=None, dtype="auto", max_model_len=2048)
+    for pool in ("persistent_pool", "standard_pool"):
+        args[pool] = {k: v for k, v in args[pool].items() if k not in ("num_gpus", "accelerator_type")}
+    config = AppConfig.from_args(args)
+    assert config.gpus_per_engine(config.persistent_pool) == 0
+    assert config.persistent_pool.engine_bundle(0.5, 0) == {"CPU": 0.5}
