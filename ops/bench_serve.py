@@ -14,12 +14,16 @@ at ``--max-concurrency`` in flight, and measures per request:
 Output tokens come from the stream's final usage chunk. The summary has mean,
 median and p99 of each (ms), request and token throughput, and the same per
 lane (from the ``x-lane`` response header). ``--json`` writes it with the
-per-request records; ``--plot`` draws a PNG (TTFT and E2EL per lane).
+per-request records; ``--plot`` draws a PNG (TTFT and E2EL per lane);
+``--write-docs LABEL`` puts the table, the command and the machine into
+``docs/benchmarks.md`` between ``bench_serve:LABEL`` markers (idempotent;
+``--from-json FILE`` re-renders a saved run instead of running one).
 
 Prompts: ``--dataset random`` (token-id prompts of exactly ``--random-input-len``
 tokens, ids drawn uniformly from ``[--random-id-low, --random-id-high)``, with
 ``ignore_eos`` so every request makes ``--random-output-len`` tokens), or
 ``--dataset gsm8k`` (GSM8K test questions as ``Question: ...\\nAnswer:`` text).
+``--num-warmups`` requests (default 1) run first and are not counted.
 
 Usage::
 
@@ -34,8 +38,11 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
+import shlex
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +51,8 @@ import httpx
 from tqdm.auto import tqdm
 
 from ops import gsm8k
+
+DOCS_PATH = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
 
 @dataclass
@@ -224,6 +233,38 @@ def plot(records: list[RequestRecord], path: Path) -> None:
     plt.close(fig)
 
 
+def docs_section(label: str, summary: dict) -> str:
+    """Markdown for ``docs/benchmarks.md``: command, machine, load, and the printed table."""
+    meta = summary.get("meta", {})
+    return "\n".join([
+        f"<!-- bench_serve:{label}:start -->",
+        f"### Serving benchmark: {label}",
+        "",
+        f"`{meta.get('command', '?')}` on {meta.get('date', '?')}, {meta.get('cpus', '?')} CPUs, "
+        f"1-minute load average {meta.get('load_before', '?')} before the run (other jobs share the machine). "
+        f"Server: `{meta.get('server', 'persistent-serve')}`.",
+        "",
+        "```",
+        format_summary(summary),
+        "```",
+        f"<!-- bench_serve:{label}:end -->",
+        "",
+    ])
+
+
+def write_docs(label: str, summary: dict, path: Path = DOCS_PATH) -> None:
+    """Replace the ``bench_serve:label`` section of ``path`` (or append it)."""
+    start_mark, end_mark = f"<!-- bench_serve:{label}:start -->", f"<!-- bench_serve:{label}:end -->"
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    section = docs_section(label, summary)
+    start, end = text.find(start_mark), text.find(end_mark)
+    if start != -1 and end > start:
+        text = text[:start] + section.rstrip("\n") + text[end + len(end_mark):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text, encoding="utf-8")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ops.bench_serve", description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -243,15 +284,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lane", choices=("standard", "persistent"), default=None,
                    help="force a lane with the x-lane request header")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-warmups", type=int, default=1,
+                   help="requests sent one at a time before measuring (not counted; as vLLM's test run)")
     p.add_argument("--json", type=Path, default=None, help="write the summary and per-request records here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of TTFT and E2EL per lane here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--write-docs", metavar="LABEL", default=None,
+                   help="write the result into docs/benchmarks.md under this label")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="with --write-docs: render a saved --json result instead of running")
+    p.add_argument("--server", default="persistent-serve (embedded SmolLM2-135M, CPU)",
+                   help="how the server was started (for --write-docs)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print and return the summary (see :func:`summarize`)."""
     args = parse_args(argv)
+    if args.from_json:
+        summary = json.loads(args.from_json.read_text())
+        print(format_summary(summary))
+        if args.write_docs:
+            write_docs(args.write_docs, summary)
+        return summary
+    meta = {"command": "python -m ops.bench_serve " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "load_before": os.getloadavg()[0],
+            "server": args.server}
     model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
     if args.dataset == "random":
         prompts = random_prompts(args.num_prompts, args.random_input_len, args.random_id_low,
@@ -260,18 +318,24 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         prompts = gsm8k_prompts(args.num_prompts, args.gsm8k_file, args.seed)
         ignore_eos = False
+    if args.num_warmups:
+        asyncio.run(run(args.base_url, model, prompts[:1] * args.num_warmups, args.random_output_len, float("inf"),
+                        1, args.temperature, ignore_eos, args.lane, args.seed, progress=False))
     records, duration = asyncio.run(run(
         args.base_url, model, prompts, args.random_output_len, args.request_rate, args.max_concurrency,
         args.temperature, ignore_eos, args.lane, args.seed, progress=not args.no_progress))
     summary = summarize(records, duration)
     summary["config"] = {k: (str(v) if isinstance(v, Path) or v == float("inf") else v)
                          for k, v in vars(args).items()} | {"model": model}
+    summary["meta"] = meta
     print(format_summary(summary))
     if args.json:
         args.json.write_text(json.dumps({**summary, "requests": [asdict(r) | {"tpot": r.tpot} for r in records]},
                                         indent=2))
     if args.plot:
         plot(records, args.plot)
+    if args.write_docs:
+        write_docs(args.write_docs, summary)
     return summary
 
 
