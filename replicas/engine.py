@@ -108,9 +108,10 @@ class LLMEngine:
     lane = "standard"
 
     def __init__(self, core: EngineCore, scheduler_config: SchedulerConfig | None = None, on_scheduled=None):
-        """``on_scheduled(request_id)``, if given, is called (engine thread) each time a sequence of
-        ``request_id`` is scheduled with no computed tokens: its first schedule, or its recompute after
-        a preemption. The engine actor turns the first call into the queue-time metric."""
+        """``on_scheduled(request_id)``, if given, is called (engine thread) for every sequence of
+        ``request_id`` in every scheduled batch (a prefix-cache hit may start a request with computed
+        tokens, so "first schedule" is the first call). The engine actor turns the first call into
+        the queue-time metric."""
         cfg = core.config
         self.on_scheduled = on_scheduled
         self.core = core
@@ -163,8 +164,7 @@ class LLMEngine:
             return []
         if self.on_scheduled is not None:
             for req, _ in batch:
-                if req.num_computed_tokens == 0:
-                    self.on_scheduled(self._tracked[req.request_id].parent_id)
+                self.on_scheduled(self._tracked[req.request_id].parent_id)
         logits = self.core.runner.execute(batch)
         rows, sampled = [], []
         for i, (req, n) in enumerate(batch):
