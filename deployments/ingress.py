@@ -283,4 +283,3 @@ class OpenAIIngress:
                 fmt.sse(first, stream, body.n, include_usage), media_type="text/event-stream", headers=headers
             )
         return JSONResponse(await fmt.collect(first, stream, body.n), headers=headers)
-
