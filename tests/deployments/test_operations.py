@@ -210,3 +210,39 @@ def test_latency_histograms_gauges_and_quanta_are_exported(server):
     assert _wait_metric("ray_persistent_serve_persistent_decoder_healthy", 1) >= 1
     text = httpx.get(metrics_url(), timeout=10).text
     assert "ray_persistent_serve_kv_pages_in_use" in text
+
+
+@pytest.fixture(scope="module")
+def sampled_none(server, otlp):
+    """A small extra app on the session's Serve instance: auto mode with no persistent replica
+    (every request falls back with ``disabled``: the lane is off for the replica) and
+    ``tracing-sample-ratio=0``."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app({"max_model_len": 1024, "num_kv_blocks": 128, "progress": False,
+                         "num_persistent_replicas": 0, "tracing_exporter": "otlp",
+                         "tracing_endpoint": otlp.endpoint, "tracing_sample_ratio": 0.0}),
+              name="sampled", route_prefix="/sampled")
+    yield f"{server}/sampled"
+    serve.delete("sampled")
+
+
+def test_ratio_zero_exports_only_fallback_traces_across_every_hop(sampled_none, otlp):
+    series = {"reason": "disabled", "stage": "prelaunch"}
+    before = _sample_sum("ray_persistent_serve_fallbacks_total", **series)
+    # a client trace the client itself did not sample (flags 00): the ratio decides, and it says no
+    trace_a, trace_b = secrets.token_hex(16), secrets.token_hex(16)
+    forced = _post(sampled_none, {"messages": FRANCE, "temperature": 0, "max_tokens": 3},
+                   f"00-{trace_a}-{secrets.token_hex(8)}-00", x_lane="standard")
+    assert forced.headers["x-lane"] == "standard"  # forced: not a fallback, so not exported
+    fell_back = _post(sampled_none, {"messages": FRANCE, "temperature": 0, "max_tokens": 3},
+                      f"00-{trace_b}-{secrets.token_hex(8)}-00")
+    assert fell_back.headers["x-lane"] == "standard"
+    spans = _trace(otlp, trace_b, {"POST /sampled/v1/chat/completions", "route", "fallback", "replica.generate",
+                                   "generation"})
+    assert spans["fallback"][0].attributes["fallback.reason"] == "disabled"
+    assert spans["generation"][0].parent_span_id == spans["replica.generate"][0].span_id
+    assert _wait_metric("ray_persistent_serve_fallbacks_total", before + 1, **series) >= before + 1
+    assert not [s for s in otlp.spans() if s.trace_id == trace_a]
