@@ -44,6 +44,13 @@ def parse_args(argv: list[str] | None = None) -> dict:
     p.add_argument("--tracing-exporter", choices=["console", "otlp", "none"],
                    help="OpenTelemetry exporter (default: $OTEL_TRACES_EXPORTER or none)")
     p.add_argument("--tracing-endpoint", help="OTLP endpoint (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
+    p.add_argument("--tracing-protocol", choices=["http/protobuf", "grpc"],
+                   help="OTLP transport (default: $OTEL_EXPORTER_OTLP_PROTOCOL or http/protobuf)")
+    p.add_argument("--tracing-service-name", help="service.name of every span (default: persistent-serve)")
+    p.add_argument("--tracing-sample-ratio", type=float,
+                   help="fraction of traces exported; fallback traces always are (default: $OTEL_TRACES_SAMPLER_ARG or 1)")
+    p.add_argument("--metrics-export-port", type=int,
+                   help="start Ray with its Prometheus endpoint on this port (http://HOST:PORT/metrics)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     ns = vars(p.parse_args(argv))
@@ -53,14 +60,19 @@ def parse_args(argv: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     host, port = args.pop("host"), args.pop("port")
+    metrics_port = args.pop("metrics_export_port", None)
     try:
         config = AppConfig.from_args(args)
     except ValidationError as exc:
         print(f"persistent-serve: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
+    import ray
     from ray import serve
 
     from deployments.app import build_app
+
+    if metrics_port is not None:
+        ray.init(_metrics_export_port=metrics_port)
 
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(config), blocking=False)

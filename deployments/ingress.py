@@ -6,11 +6,20 @@ result as JSON or SSE (one engine request per HTTP request, all ``n`` choices
 on one stream). Also serves ``/tokenize`` and ``/detokenize``. Every response
 carries ``x-lane``. Errors come back in OpenAI's format:
 ``{"error": {"message", "type", "param", "code"}}``.
+
+Tracing: each completion request gets a SERVER span ``POST <path>`` that
+continues the client's W3C ``traceparent`` header (or starts a trace) and ends
+when the last byte is streamed; the router's ``route`` span is its child.
+
+A client can force the lane with the request header ``x-lane: standard`` (skip
+the persistent lane; not a fallback) or ``x-lane: persistent`` (the default
+choice for eligible requests; the response's ``x-lane`` says where it ran).
 """
 
 
 import json
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,11 +48,26 @@ from deployments.tokenize_api import (
     encode_prompt,
     tokenize,
 )
-from ops.tracing import setup_tracing
+from ops.tracing import (
+    ATTR_GEN_AI_INPUT_TOKENS,
+    ATTR_GEN_AI_MAX_TOKENS,
+    ATTR_GEN_AI_MODEL,
+    ATTR_GEN_AI_OPERATION,
+    ATTR_GEN_AI_OUTPUT_TOKENS,
+    ATTR_GEN_AI_TEMPERATURE,
+    ATTR_LANE,
+    ATTR_REQUEST_ID,
+    extract_context,
+    get_tracer,
+    setup_tracing,
+)
 from replicas.messages import GenerateRequest, GenerationError
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="persistent-serve", version="0.1.0")
+LANE_HEADER = "x-lane"
+"""Response header naming the lane that served; as a request header, forces a lane."""
+FORCEABLE_LANES = ("standard", "persistent")
 
 
 def _error_response(exc: OpenAIError) -> Response:
@@ -75,6 +99,30 @@ def _pool_totals(engines: list[dict]) -> dict:
     """One lane's view for ``/debug/stats``: the engines' page/queue counts summed, and each engine."""
     totals = {key: sum(int(e.get(key, 0)) for e in engines) for key in _SUMMED}
     return {**totals, "replicas": len(engines), "engines": engines}
+
+
+async def _traced(stream, span, owned: bool = True):
+    """Pass ``stream`` through; end the HTTP ``span`` (with lane and usage) when it ends or is closed.
+
+    Defined above the deployment class: ``serve.ingress`` pickles the FastAPI app when the class is
+    decorated, so the endpoints only see module names that exist by then.
+    """
+    output_tokens, lane = 0, None
+    try:
+        async for item in stream:
+            if isinstance(item, GenerationError):
+                span.set_attribute("error.type", item.reason)
+            else:
+                output_tokens += len(item.token_ids)
+                lane = item.lane
+            yield item
+    finally:
+        await stream.aclose()
+        if lane:
+            span.set_attribute(ATTR_LANE, lane)
+        span.set_attribute(ATTR_GEN_AI_OUTPUT_TOKENS, output_tokens)
+        if owned:
+            span.end()
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=256)
@@ -126,12 +174,12 @@ class OpenAIIngress:
         return out
 
     @api.post("/v1/chat/completions")
-    async def chat(self, body: ChatCompletionRequest):
+    async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_common(body)
-        return await self._serve(body, encode_chat(self.tokenizer, body.messages), chat=True)
+        return await self._serve(body, encode_chat(self.tokenizer, body.messages), chat=True, http=request)
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, request: Request):
         self._check_common(body)
         if isinstance(body.prompt, str):
             ids = encode_prompt(self.tokenizer, body.prompt)
@@ -140,7 +188,7 @@ class OpenAIIngress:
             ids = list(body.prompt)
             check_token_ids(self.tokenizer, ids, "prompt")
             echo = self.tokenizer.decode(ids) if body.echo else ""
-        return await self._serve(body, ids, chat=False, echo=echo)
+        return await self._serve(body, ids, chat=False, echo=echo, http=request)
 
     @api.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
@@ -182,9 +230,57 @@ class OpenAIIngress:
                 code="context_length_exceeded")
         return GenerateRequest(new_id("req"), ids, body.sampling_params(limit or room))
 
-    async def _serve(self, body, ids: list[int], chat: bool, echo: str = ""):
-        g = self._request(body, ids)
-        stream = self.router.generate(g)
+    @staticmethod
+    def _lane_override(http: Request | None) -> str | None:
+        value = http.headers.get(LANE_HEADER) if http is not None else None
+        if value is None or value.strip().lower() in ("", "auto"):
+            return None
+        value = value.strip().lower()
+        if value not in FORCEABLE_LANES:
+            raise OpenAIError(f"header {LANE_HEADER} must be one of auto, {', '.join(FORCEABLE_LANES)}; "
+                              f"got {value!r}", param=LANE_HEADER)
+        return value
+
+    def _http_span(self, http: Request | None, body, chat: bool):
+        """The SERVER span of one completion request, continuing the client's ``traceparent``.
+
+        FastAPI >= 0.16x opens that span itself when a tracer provider is installed (its native
+        telemetry, ``scope["fastapi.telemetry"]``); then it is reused and FastAPI ends it. Otherwise
+        one is opened here. Returns ``(span, owned)``: ``owned`` spans are ended by this module.
+        """
+        from opentelemetry.trace import SpanKind
+
+        attributes = {ATTR_GEN_AI_OPERATION: "chat" if chat else "text_completion",
+                      ATTR_GEN_AI_MODEL: self.model_name,
+                      ATTR_GEN_AI_TEMPERATURE: float(body.temperature if body.temperature is not None else 1.0)}
+        native = getattr(http.scope.get("fastapi.telemetry"), "span", None) if http is not None else None
+        if native is not None and native.is_recording():
+            native.set_attributes(attributes)
+            return native, False
+        path = http.url.path if http is not None else ("/v1/chat/completions" if chat else "/v1/completions")
+        return get_tracer().start_span(
+            f"POST {path}", kind=SpanKind.SERVER,
+            context=extract_context(dict(http.headers)) if http is not None else None,
+            attributes={"http.request.method": "POST", "url.path": path, **attributes}), True
+
+    async def _serve(self, body, ids: list[int], chat: bool, echo: str = "", http: Request | None = None):
+        from opentelemetry import trace
+        from opentelemetry.trace import Status, StatusCode
+
+        arrival = time.monotonic()
+        span, owned = self._http_span(http, body, chat)
+        try:
+            g = self._request(body, ids)
+            g.lane_override = self._lane_override(http)
+            span.set_attributes({ATTR_REQUEST_ID: g.request_id, ATTR_GEN_AI_INPUT_TOKENS: len(ids),
+                                 ATTR_GEN_AI_MAX_TOKENS: g.params.max_tokens})
+            stream = _traced(self.router.generate(g, trace.set_span_in_context(span), arrival), span, owned)
+        except OpenAIError as exc:
+            if owned:
+                span.set_attribute("http.response.status_code", exc.status)
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                span.end()
+            raise
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:

@@ -10,6 +10,7 @@ marked unhealthy after a launch failure, so Serve replaces it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 import ray
@@ -17,6 +18,15 @@ from ray import serve
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ops.tracing import (
+    ATTR_LANE,
+    ATTR_REQUEST_ID,
+    SPAN_REPLICA,
+    extract_context,
+    get_tracer,
+    inject_context,
+    setup_tracing,
+)
 from replicas.engine_actor import EngineActor
 from replicas.messages import GenerateRequest, Started
 
@@ -58,6 +68,7 @@ class _EngineReplica:
     lane: str = "standard"
 
     def __init__(self, config, engine_num_cpus: float, engine_num_gpus: float):
+        setup_tracing(config.tracing)
         pg = get_current_placement_group()
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1) if pg else None
         actor_cls = ray.remote(EngineActor)
@@ -66,7 +77,7 @@ class _EngineReplica:
             max_concurrency=1000, name=engine_actor_name(self.lane, serve.get_replica_context().app_name),
         ).remote(
             config.engine, self.lane, config.persistent_decoder.value, config.persistent_backend,
-            config.persistent_decoder_checkpoint, config.persistent_fault_injection,
+            config.persistent_decoder_checkpoint, config.persistent_fault_injection, tracing=config.tracing,
         )
         # Block construction until the engine is loaded: a failed load fails the replica (and,
         # with --persistent-decoder required, the app) with the engine's own message.
@@ -74,9 +85,16 @@ class _EngineReplica:
 
     async def generate(self, g: GenerateRequest):
         """Stream the engine actor's events for ``g`` (see ``replicas.messages``); the persistent
-        pool first yields :class:`Started` so the router knows a replica took the request."""
+        pool first yields :class:`Started` so the router knows a replica took the request.
+
+        Opens span ``replica.generate`` (child of the caller's span named by ``g.trace_context``)
+        and hands the actor ``g`` with this span's trace context.
+        """
         if self.lane == "persistent":
             yield Started(g.request_id)
+        span = get_tracer().start_span(SPAN_REPLICA, context=extract_context(g.trace_context),
+                                       attributes={ATTR_LANE: self.lane, ATTR_REQUEST_ID: g.request_id})
+        g = dataclasses.replace(g, trace_context=inject_context(span))
         stream = self.actor.generate.options(num_returns="streaming").remote(g)
         finished = False
         try:
@@ -84,6 +102,7 @@ class _EngineReplica:
                 yield await ref
             finished = True
         finally:
+            span.end()
             if not finished:  # the caller went away (client disconnect): stop the actor's work too
                 ray.cancel(stream)
 

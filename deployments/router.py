@@ -3,7 +3,15 @@
 It runs inside the ingress process, so routing adds no Ray hop: the request
 goes ingress → replica → engine actor. Every request gets a ``route`` span;
 every request that could have gone persistent but did not gets a ``fallback``
-span with the reason and stage (``ops.tracing``).
+span with the reason and stage (``ops.tracing``) and increments
+``fallbacks_total{reason,stage}`` (``ops.metrics``). The ``route`` span's trace
+context travels to the replica inside ``GenerateRequest.trace_context`` (with the
+``sampled`` flag forced once the request falls back, so fallback traces are kept).
+
+A client may force the lane (``GenerateRequest.lane_override``, from the
+``x-lane`` request header): ``standard`` skips the persistent lane without a
+fallback; ``persistent`` is the normal choice (the response's ``x-lane`` says
+where it ran).
 
 Spillover: an eligible request is queued on the persistent pool (Serve holds
 it until a replica, ``max_ongoing_requests=1``, is free; that queue is what
@@ -17,15 +25,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
 from opentelemetry import trace
 from ray.serve.exceptions import BackPressureError
 
-from ops.tracing import ATTR_LANE, ATTR_REASON, SPAN_ROUTE, get_tracer, record_fallback
+from ops.metrics import RequestClock, get_metrics
+from ops.tracing import (
+    ATTR_GEN_AI_TEMPERATURE,
+    ATTR_LANE,
+    ATTR_REASON,
+    SPAN_ROUTE,
+    get_tracer,
+    inject_context,
+    record_fallback,
+)
 from policy import (
     Lane,
+    LaneDecision,
     Mode,
     PersistentLaneStatus,
     Reason,
@@ -94,6 +113,8 @@ class Router:
 
     def decide(self, g: GenerateRequest):
         """The lane decision for ``g`` (pure: policy admission + lane choice)."""
+        if g.lane_override == Lane.STANDARD.value:
+            return LaneDecision(Lane.STANDARD, None)
         enabled = self.mode is not Mode.OFF and self.persistent is not None
         reason = check_admission(g.admission_input(self.max_model_len, enabled=enabled))
         return choose_lane(self.mode, reason, self._status())
@@ -117,26 +138,41 @@ class Router:
             await first
         return None
 
-    async def generate(self, g: GenerateRequest) -> AsyncIterator[GenerationChunk | GenerationError]:
+    async def generate(self, g: GenerateRequest, parent=None,
+                       arrival: float | None = None) -> AsyncIterator[GenerationChunk | GenerationError]:
         """Stream the request's chunks from whichever lane serves it (fallbacks included).
 
         Yields a :class:`GenerationError` with reason ``overloaded`` (stage ``admission``)
         when the standard pool refuses the request (Serve back-pressure).
+
+        Args:
+            g: the request.
+            parent: OpenTelemetry context of the caller's span (the HTTP request span), or None.
+            arrival: ``time.monotonic()`` when the HTTP request arrived (latency metrics), or now.
         """
         decision = self.decide(g)
-        span = get_tracer().start_span(SPAN_ROUTE, attributes={
+        span = get_tracer().start_span(SPAN_ROUTE, context=parent, attributes={
             ATTR_LANE: decision.lane.value, "mode": self.mode.value, "request.id": g.request_id,
-            "gen_ai.request.temperature": g.params.temperature,
+            ATTR_GEN_AI_TEMPERATURE: g.params.temperature,
             **({ATTR_REASON: decision.reason.value} if decision.reason else {}),
+            **({"lane.forced": g.lane_override} if g.lane_override else {}),
         })
+        clock = RequestClock(arrival)
+        fell_back = False  # once true, downstream hops are sampled (fallback traces are always kept)
+
+        def hop(request: GenerateRequest) -> GenerateRequest:
+            return dataclasses.replace(request, trace_context=inject_context(span, force_sample=fell_back))
+
         try:
             lane = decision.lane
-            if lane is Lane.STANDARD and self.mode is not Mode.OFF:
+            if lane is Lane.STANDARD and decision.reason is not None and self.mode is not Mode.OFF:
                 self._fallback(span, decision.reason.value, "prelaunch", g.request_id)
+                fell_back = True
             if lane is Lane.PERSISTENT:
-                stream = await self._take_persistent(g)
+                stream = await self._take_persistent(hop(g))
                 if stream is None:
                     self._spill(span, g.request_id)
+                    fell_back = True
                 else:
                     rejected = None
                     self.in_flight += 1
@@ -152,6 +188,7 @@ class Router:
                             elif isinstance(item, GenerationChunk) and item.fallback_reason:
                                 self._fallback(span, item.fallback_reason, "prelaunch", g.request_id,
                                                lane="persistent", continued_on="reference_decode")
+                            clock.chunk(item)
                             yield item
                     finally:
                         self.in_flight -= 1
@@ -162,10 +199,12 @@ class Router:
                     elif rejected.reason == Reason.UNSUPPORTED_ENVELOPE.value:
                         self._unsupported_until = time.monotonic() + UNHEALTHY_RETRY_S
                     self._fallback(span, rejected.reason, "prelaunch", g.request_id)
+                    fell_back = True
                     span.set_attribute(ATTR_LANE, Lane.STANDARD.value)
                     span.set_attribute(ATTR_REASON, rejected.reason)
             try:
-                async for item in self.standard.options(stream=True).generate.remote(g):
+                async for item in self.standard.options(stream=True).generate.remote(hop(g)):
+                    clock.chunk(item)
                     yield item
             except BackPressureError as exc:
                 self.overloaded += 1
@@ -173,6 +212,7 @@ class Router:
                 yield GenerationError(g.request_id, f"the server is overloaded, retry later ({exc})",
                                       Lane.STANDARD.value, stage="admission", reason=OVERLOADED)
         finally:
+            clock.finish(get_metrics())
             span.end()
 
     def _spill(self, span, request_id: str) -> None:
@@ -188,3 +228,4 @@ class Router:
     def _fallback(span, reason: str, stage: str, request_id: str, lane: str | None = "standard", **attrs) -> None:
         with trace.use_span(span, end_on_exit=False):
             record_fallback(reason, stage, request_id, lane=lane, **attrs)
+        get_metrics().fallback(reason, stage)

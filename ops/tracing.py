@@ -10,6 +10,21 @@ Two things live here:
   request that could have run on the persistent lane does not, a child span
   ``fallback`` plus an event ``fallback`` on the ``route`` span. Span names and
   attribute keys are module constants so dashboards and tests can rely on them.
+* :func:`inject_context` / :func:`extract_context` carry a W3C ``traceparent``
+  across Ray hops in a plain ``dict`` (the carrier travels inside the request
+  object, so every hop's span is a child of the previous hop's).
+* Sampling (:attr:`TracingConfig.sample_ratio`): head sampling by trace id, but a
+  trace that records a ``fallback`` span is always exported (see
+  :class:`KeepFallbacksSampler` and :class:`KeepFallbacksProcessor`).
+
+The span tree of one request (names are constants below)::
+
+    POST /v1/chat/completions      (ingress, SERVER span, continues the client's traceparent)
+      route                        (router, same process)
+        fallback                   (when the request does not take the persistent lane)
+        replica.generate           (replica process: a Ray hop)
+          generation               (engine actor process: a Ray hop; per lane)
+            quantum                (persistent lane: one per quantum)
 
 This module imports neither torch nor ray, so policy code, the router and
 offline tools can all use it.
@@ -32,6 +47,7 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -40,11 +56,26 @@ from opentelemetry.sdk.trace.export import (
     SimpleSpanProcessor,
     SpanExporter,
 )
-from opentelemetry.trace import Span, Tracer
+from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, TraceFlags, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ops.trace_sampling import KeepFallbacksProcessor, KeepFallbacksSampler
 
 __all__ = [
     "ATTR_FALLBACK_REASON",
+    "ATTR_GEN_AI_INPUT_TOKENS",
+    "ATTR_GEN_AI_MODEL",
+    "ATTR_GEN_AI_OPERATION",
+    "ATTR_GEN_AI_OUTPUT_TOKENS",
+    "ATTR_GEN_AI_TEMPERATURE",
+    "KeepFallbacksProcessor",
+    "KeepFallbacksSampler",
+    "SPAN_GENERATION",
+    "SPAN_QUANTUM",
+    "SPAN_REPLICA",
+    "extract_context",
+    "inject_context",
     "ATTR_FALLBACK_STAGE",
     "ATTR_LANE",
     "ATTR_MODE",
@@ -72,6 +103,17 @@ ATTR_REASON = "reason"
 ATTR_FALLBACK_REASON = "fallback.reason"
 ATTR_FALLBACK_STAGE = "fallback.stage"
 ATTR_REQUEST_ID = "request.id"
+SPAN_REPLICA = "replica.generate"
+SPAN_GENERATION = "generation"
+SPAN_QUANTUM = "quantum"
+# OpenTelemetry GenAI semantic conventions (gen-ai-spans, "Inference" attributes).
+ATTR_GEN_AI_OPERATION = "gen_ai.operation.name"
+ATTR_GEN_AI_MODEL = "gen_ai.request.model"
+ATTR_GEN_AI_TEMPERATURE = "gen_ai.request.temperature"
+ATTR_GEN_AI_MAX_TOKENS = "gen_ai.request.max_tokens"
+ATTR_GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+ATTR_GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+ATTR_GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
 
 FallbackStage = Literal["prelaunch", "postlaunch"]
 FALLBACK_STAGES: tuple[str, ...] = ("prelaunch", "postlaunch")
@@ -85,6 +127,10 @@ ENV_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
 ENV_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 ENV_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 ENV_SERVICE_NAME = "OTEL_SERVICE_NAME"
+ENV_SAMPLER = "OTEL_TRACES_SAMPLER"
+ENV_SAMPLER_ARG = "OTEL_TRACES_SAMPLER_ARG"
+_RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
+_FULL_SAMPLERS = ("always_on", "parentbased_always_on")
 
 _DEFAULT_HTTP_ENDPOINT = "http://localhost:4318/v1/traces"
 _DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
@@ -157,6 +203,18 @@ class TracingConfig(BaseModel):
         ),
     )
 
+    sample_ratio: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Fraction of traces exported (head sampling by trace id; 1.0 keeps all). A trace "
+            "that records a 'fallback' span is exported whatever the ratio. None reads "
+            "OTEL_TRACES_SAMPLER (always_on, parentbased_always_on, traceidratio, "
+            "parentbased_traceidratio) and OTEL_TRACES_SAMPLER_ARG; unset means 1.0."
+        ),
+    )
+
     @field_validator("exporter", mode="before")
     @classmethod
     def _alias_exporter(cls, value: Any) -> Any:
@@ -203,13 +261,37 @@ class TracingConfig(BaseModel):
         if "service_name" not in self.model_fields_set:
             service_name = os.environ.get(ENV_SERVICE_NAME) or service_name
 
+        sample_ratio = self.sample_ratio
+        if sample_ratio is None:
+            sample_ratio = _ratio_from_env()
+
         return TracingConfig(
             exporter=exporter,
             endpoint=endpoint,
             service_name=service_name,
             protocol=protocol,
             schedule_delay_ms=self.schedule_delay_ms,
+            sample_ratio=sample_ratio,
         )
+
+
+def _ratio_from_env() -> float:
+    sampler = (os.environ.get(ENV_SAMPLER) or "parentbased_always_on").strip().lower()
+    if sampler in _FULL_SAMPLERS:
+        return 1.0
+    if sampler not in _RATIO_SAMPLERS:
+        raise ValueError(
+            f"{ENV_SAMPLER}={sampler!r} is not supported; use one of "
+            f"{', '.join(_FULL_SAMPLERS + _RATIO_SAMPLERS)} (fallbacks are always kept)"
+        )
+    raw = os.environ.get(ENV_SAMPLER_ARG, "1.0")
+    try:
+        ratio = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_SAMPLER_ARG}={raw!r} is not a number in [0, 1]") from None
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"{ENV_SAMPLER_ARG}={raw!r} is not a number in [0, 1]")
+    return ratio
 
 
 def _endpoint_from_env(protocol: str) -> str:
@@ -249,19 +331,31 @@ def _otlp_exporter(config: TracingConfig) -> SpanExporter:
     return OTLPSpanExporter(endpoint=config.endpoint)
 
 
+def _keep_fallbacks(inner) -> KeepFallbacksProcessor:
+    return KeepFallbacksProcessor(inner, (SPAN_FALLBACK,), (ATTR_FALLBACK_REASON,))
+
+
 def _build_provider(config: TracingConfig) -> TracerProvider:
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: config.service_name}))
+    ratio = 1.0 if config.sample_ratio is None else config.sample_ratio
+    provider = TracerProvider(
+        resource=Resource.create({SERVICE_NAME: config.service_name}),
+        sampler=KeepFallbacksSampler(ratio),
+    )
     if config.exporter == "console":
         provider.add_span_processor(
-            # Bind the stdout of set-up time (the SDK's default is the one of import time).
-            SimpleSpanProcessor(
-                ConsoleSpanExporter(service_name=config.service_name, out=sys.stdout)
+            _keep_fallbacks(
+                # Bind the stdout of set-up time (the SDK's default is the one of import time).
+                SimpleSpanProcessor(
+                    ConsoleSpanExporter(service_name=config.service_name, out=sys.stdout)
+                )
             )
         )
     elif config.exporter == "otlp":
         provider.add_span_processor(
-            BatchSpanProcessor(
-                _otlp_exporter(config), schedule_delay_millis=config.schedule_delay_ms
+            _keep_fallbacks(
+                BatchSpanProcessor(
+                    _otlp_exporter(config), schedule_delay_millis=config.schedule_delay_ms
+                )
             )
         )
     return provider
@@ -415,6 +509,52 @@ def record_fallback(
     if parent.is_recording():
         parent.add_event(SPAN_FALLBACK, attributes=fallback_attributes)
     get_tracer().start_span(SPAN_FALLBACK, attributes=fallback_attributes).end()
+
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def inject_context(span: Span | None = None, *, force_sample: bool = False) -> dict[str, str]:
+    """The W3C trace context of ``span`` (default: the current span) as a carrier dict.
+
+    The dict (``{"traceparent": "00-<trace>-<span>-<flags>"}``, plus ``tracestate``
+    when set) travels inside a request object across a Ray hop; the next hop
+    passes it to :func:`extract_context` to parent its span on ``span``.
+
+    Args:
+        span: the parent-to-be; ``None`` takes the current span.
+        force_sample: set the ``sampled`` flag even if ``span``'s trace was not
+            picked by the sampler (the router does this once a request falls back,
+            so the downstream hops of a fallback trace are exported).
+
+    Returns:
+        The carrier; empty when there is no valid span (tracing off or no span).
+    """
+    span = span if span is not None else trace.get_current_span()
+    ctx = span.get_span_context()
+    if not ctx.is_valid:
+        return {}
+    if force_sample and not ctx.trace_flags.sampled:
+        span = NonRecordingSpan(SpanContext(ctx.trace_id, ctx.span_id, is_remote=False,
+                                            trace_flags=TraceFlags(ctx.trace_flags | TraceFlags.SAMPLED),
+                                            trace_state=ctx.trace_state))
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
+
+
+def extract_context(carrier: dict[str, str] | None) -> Context | None:
+    """The parent context a carrier names (from :func:`inject_context` or HTTP headers).
+
+    Header names are matched case-insensitively, so a request's headers (any
+    mapping) can be passed as they are. Returns ``None`` for an empty or missing
+    carrier or a malformed ``traceparent`` (the span then starts a new trace).
+    """
+    if not carrier:
+        return None
+    lowered = {str(k).lower(): v for k, v in carrier.items()}
+    ctx = _PROPAGATOR.extract(lowered)
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
 
 
 def force_flush(timeout_ms: int = 5000) -> bool:

@@ -107,8 +107,13 @@ class LLMEngine:
 
     lane = "standard"
 
-    def __init__(self, core: EngineCore, scheduler_config: SchedulerConfig | None = None):
+    def __init__(self, core: EngineCore, scheduler_config: SchedulerConfig | None = None, on_scheduled=None):
+        """``on_scheduled(request_id)``, if given, is called (engine thread) for every sequence of
+        ``request_id`` in every scheduled batch (a prefix-cache hit may start a request with computed
+        tokens, so "first schedule" is the first call). The engine actor turns the first call into
+        the queue-time metric."""
         cfg = core.config
+        self.on_scheduled = on_scheduled
         self.core = core
         self.scheduler = Scheduler(
             scheduler_config or SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill),
@@ -157,6 +162,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.on_scheduled is not None:
+            for req, _ in batch:
+                self.on_scheduled(self._tracked[req.request_id].parent_id)
         logits = self.core.runner.execute(batch)
         rows, sampled = [], []
         for i, (req, n) in enumerate(batch):

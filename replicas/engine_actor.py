@@ -70,6 +70,12 @@ class EngineActor:
         checkpoint: persistent-decoder checkpoint directory, or None.
         fault_injection: tests only: wrap the persistent backend so it fails on
             schedule (:class:`~replicas.persistent.faults.FaultInjection`); None in production.
+        tracing: an ``ops.tracing.TracingConfig`` for this process's spans (None: from ``OTEL_*``).
+
+    Telemetry (``ops.engine_telemetry``, built here once and injected into the lanes): a
+    ``generation`` span per request, child of the caller's span named by
+    ``GenerateRequest.trace_context``; ``quantum`` spans; queue-time, quanta, KV-page and
+    decoder-health metrics.
 
     Raises:
         PersistentDecoderLoadError: ``required`` mode and the decoder failed to load.
@@ -77,7 +83,7 @@ class EngineActor:
 
     def __init__(self, config: EngineConfig, lane: str = "standard", mode: str = "auto",
                  backend: str = "auto", checkpoint: str | None = None,
-                 fault_injection: FaultInjection | dict | None = None):
+                 fault_injection: FaultInjection | dict | None = None, tracing=None):
         if lane not in ("standard", "persistent"):
             raise ValueError(f"lane must be 'standard' or 'persistent', got {lane!r}")
         self.lane_name = lane
@@ -89,7 +95,7 @@ class EngineActor:
         self.persistent: PersistentLane | None = None
         self.engine: LLMEngine | None = None
         if lane == "standard":
-            self.engine = LLMEngine(self.core)
+            self.engine = LLMEngine(self.core, on_scheduled=self._scheduled)
             threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True).start()
         else:
             decoder, error = None, None
@@ -113,6 +119,12 @@ class EngineActor:
                     ) from exc
                 logger.warning("persistent decoder could not bind the KV cache (%s); requests will fall back", exc)
                 self.persistent = PersistentLane(self.core, None, f"{exc.reason}: {exc}")
+        from ops.engine_telemetry import build_engine_telemetry  # start-up only, never per token
+
+        backend_name = self.persistent.backend.name if self.persistent and self.persistent.backend else None
+        self.telemetry = build_engine_telemetry(lane, config.name, backend_name, tracing)
+        self._requests: dict = {}  # request id -> RequestTelemetry, for the engine thread's queue-time hook
+        self.telemetry.gauges(self._stats())
 
     async def ready(self) -> dict:
         """Static facts about this replica, once loaded."""
@@ -123,10 +135,17 @@ class EngineActor:
             **(await self.stats()),
         }
 
+    def _stats(self) -> dict:
+        return self.persistent.stats() if self.persistent else self.engine.stats()
+
     async def stats(self) -> dict:
         """KV page accounting and queue depth (read by tests and the debug endpoint)."""
-        stats = self.persistent.stats() if self.persistent else self.engine.stats()
-        return {**stats, "placement_group_id": _placement_group_id()}
+        return {**self._stats(), "placement_group_id": _placement_group_id()}
+
+    def _scheduled(self, request_id: str) -> None:
+        rt = self._requests.get(request_id)
+        if rt is not None:
+            rt.scheduled()
 
     async def generate(self, g: GenerateRequest) -> AsyncIterator[Item]:
         """Stream the events of one request (see :mod:`replicas.messages`)."""
@@ -134,15 +153,18 @@ class EngineActor:
         out: asyncio.Queue = asyncio.Queue()
         done = False
         cancel = threading.Event()
+        rt = self.telemetry.start(g)
         if self.persistent is not None:
-            threading.Thread(target=self._persistent_worker, args=(g, cancel, loop, out), daemon=True).start()
+            threading.Thread(target=self._persistent_worker, args=(g, cancel, loop, out, rt), daemon=True).start()
         else:
+            self._requests[g.request_id] = rt
             self._inbox.put(("add", g, loop, out))
             self._wakeup.set()
         open_choices = g.params.n if self.persistent is None else 1
         try:
             while not done:
                 item = await out.get()
+                rt.chunk(item)
                 if _is_last(item):
                     open_choices -= 1
                     done = open_choices == 0 or not isinstance(item, GenerationChunk)
@@ -153,12 +175,16 @@ class EngineActor:
                 if self.engine is not None:
                     self._inbox.put(("abort", g.request_id, None, None))
                     self._wakeup.set()
+            self._requests.pop(g.request_id, None)
+            rt.end()
+            self.telemetry.gauges(self._stats())
 
-    def _persistent_worker(self, g, cancel, loop, out) -> None:
+    def _persistent_worker(self, g, cancel, loop, out, rt=None) -> None:
         try:
-            for item in self.persistent.generate(g, cancel):
+            for item in self.persistent.generate(g, cancel, rt):
                 if not _post(loop, out, item):
                     cancel.set()
+            self.telemetry.gauges(self._stats())  # pages are back in the pool now
         except Exception as exc:  # noqa: BLE001 - never leave the caller waiting
             logger.exception("persistent lane failed")
             _post(loop, out, GenerationError(g.request_id, str(exc), "persistent", "engine", "engine_error"))

@@ -26,6 +26,11 @@ class GenerateRequest:
             lane streams chunks of all of them, told apart by ``index``).
         has_stop_token_sequences: multi-token stop sequences were given.
         kv_transfer: disaggregated-serving KV transfer was requested.
+        trace_context: W3C trace context carrier (``{"traceparent": ...}``) of
+            the caller's span; each Ray hop replaces it with its own span's so
+            the next hop's span is its child (``ops.tracing.inject_context``).
+        lane_override: ``"standard"`` or ``"persistent"`` when the client forced
+            a lane (request header ``x-lane``), else None.
     """
 
     request_id: str
@@ -33,6 +38,8 @@ class GenerateRequest:
     params: SamplingParams
     has_stop_token_sequences: bool = False
     kv_transfer: bool = False
+    trace_context: dict[str, str] = field(default_factory=dict)
+    lane_override: str | None = None
 
     @property
     def num_sequences(self) -> int:

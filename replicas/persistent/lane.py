@@ -16,6 +16,7 @@ and marks the decoder unhealthy.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import torch
@@ -78,9 +79,13 @@ class PersistentLane:
         return None
 
     def generate(
-        self, g: GenerateRequest, cancel: threading.Event | None = None
+        self, g: GenerateRequest, cancel: threading.Event | None = None, telemetry=None
     ) -> Iterator[GenerationChunk | Rejection | GenerationError]:
-        """Serve one request; yields a Rejection, or chunks, or chunks then an error."""
+        """Serve one request; yields a Rejection, or chunks, or chunks then an error.
+
+        ``telemetry`` (optional, injected by the engine actor: ``ops.engine_telemetry.RequestTelemetry``)
+        is told when the prefill starts (``scheduled()``) and about every quantum (``quantum(...)``).
+        """
         try:
             self.core.validate_prompt(g.prompt_token_ids, g.params.max_tokens)
         except ValueError as exc:
@@ -96,18 +101,20 @@ class PersistentLane:
             return
         req = Request(g.request_id, list(g.prompt_token_ids), g.params)
         try:
-            yield from self._run(req, cancel)
+            yield from self._run(req, cancel, telemetry)
         finally:
             self.core.allocator.release(req.block_table)
             self._busy.release()
 
-    def _run(self, req: Request, cancel: threading.Event | None):
+    def _run(self, req: Request, cancel: threading.Event | None, telemetry=None):
         core = self.core
         if not core.allocator.can_grow(req.block_table, req.num_prompt_tokens):
             yield Rejection(req.request_id, "persistent_capacity", lane=LANE, detail="no free KV pages for the prompt")
             return
         core.allocator.grow(req.block_table, req.num_prompt_tokens)
         detok = IncrementalDetokenizer(core.tokenizer, req.params.stop)
+        if telemetry is not None:
+            telemetry.scheduled()
         try:
             logits = core.runner.execute([(req, req.num_prompt_tokens)])  # prefill
         except Exception as exc:  # noqa: BLE001 - reported to the client, replica stays up
@@ -134,10 +141,20 @@ class PersistentLane:
             core.allocator.grow(req.block_table, req.num_computed_tokens + size)
             qreq = self._quantum_request(req, size, cancel)
             backend = self._reference if fallback else self.backend
+            start_ns = time.time_ns()
             try:
                 result = backend.run_quantum(qreq)
                 validate_result(qreq, result)
-            except PrelaunchError as exc:
+            except Exception as exc:
+                if telemetry is not None:
+                    telemetry.quantum(size, 0, None, start_ns, time.time_ns(), backend=backend.name,
+                                      error=getattr(exc, "reason", type(exc).__name__))
+                if not isinstance(exc, PrelaunchError):
+                    # BackendLaunchError, invalid result, or a bug: terminal, decoder unhealthy
+                    self.unhealthy_reason = getattr(exc, "reason", BackendLaunchError.reason)
+                    yield GenerationError(req.request_id, f"persistent decoder failed after launch: {exc}", LANE,
+                                          stage="postlaunch", reason=self.unhealthy_reason)
+                    return
                 if fallback:  # the reference path rejected too: nothing more to try
                     yield GenerationError(req.request_id, str(exc), LANE, stage="prelaunch", reason=exc.reason)
                     return
@@ -146,11 +163,9 @@ class PersistentLane:
                     self._reference = EagerBackend(core.model, core.runner.device)
                     self._reference.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
                 continue
-            except Exception as exc:  # noqa: BLE001 - BackendLaunchError, invalid result, or a bug
-                self.unhealthy_reason = getattr(exc, "reason", BackendLaunchError.reason)
-                yield GenerationError(req.request_id, f"persistent decoder failed after launch: {exc}", LANE,
-                                      stage="postlaunch", reason=self.unhealthy_reason)
-                return
+            if telemetry is not None:
+                telemetry.quantum(size, len(result.emitted_tokens), result.finish_reason, start_ns, time.time_ns(),
+                                  backend=backend.name)
             self.quanta_run += 1
             req.num_computed_tokens = result.committed_kv_length
             chunk = self._emit(req, detok, result.emitted_tokens)

@@ -2,7 +2,8 @@
 
 Two applications are deployed once per session on one Serve instance:
 ``/`` with ``--persistent-decoder auto`` and ``/off`` with ``--persistent-decoder off``.
-Tracing goes over OTLP/HTTP to a real receiver started here.
+Tracing goes over OTLP/HTTP to a real receiver started here. Ray's metrics
+export endpoint (Prometheus text) is at :func:`metrics_url`, reporting every second.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ def server(otlp, tiny_gpt_oss):
 
     from deployments.app import build_app
 
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    global _metrics_port
+    _metrics_port = _free_port()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=_metrics_port, _system_config={"metrics_report_interval_ms": 1000})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = {"max_model_len": 1024, "num_kv_blocks": 256, "tracing_exporter": "otlp",
@@ -68,6 +72,15 @@ def server(otlp, tiny_gpt_oss):
     yield base
     serve.shutdown()
     ray.shutdown()
+
+
+_metrics_port: int | None = None
+
+
+def metrics_url() -> str:
+    """Ray's Prometheus endpoint of the session cluster (the ``server`` fixture must be running)."""
+    assert _metrics_port is not None, "the server fixture is not running"
+    return f"http://127.0.0.1:{_metrics_port}/metrics"
 
 
 def pool_stats(base: str) -> dict:

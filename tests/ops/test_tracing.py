@@ -40,6 +40,8 @@ _OTEL_ENV = (
     "OTEL_EXPORTER_OTLP_COMPRESSION",
     "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
     "OTEL_SDK_DISABLED",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
 )
 
 
@@ -210,6 +212,7 @@ def test_resolved_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
         service_name="persistent-serve",
         protocol="http/protobuf",
         schedule_delay_ms=200,
+        sample_ratio=1.0,
     )
 
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")

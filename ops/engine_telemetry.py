@@ -1,0 +1,139 @@
+"""Spans and metrics of one engine actor, handed to ``replicas/`` by injection.
+
+The engine actor builds one :class:`EngineTelemetry` at start-up (the only
+place ``replicas/`` touches ``ops/``, and not a hot path) and asks it for a
+:class:`RequestTelemetry` per request. The lanes only call methods on that
+object (``scheduled``, ``quantum``); they import nothing from here.
+
+Spans (names and attributes from :mod:`ops.tracing`):
+
+* ``generation``: one per request in the engine actor, child of the replica's
+  ``replica.generate`` span through the ``traceparent`` carried in
+  ``GenerateRequest.trace_context``; GenAI attributes (model, temperature,
+  max tokens, input/output tokens, finish reasons) plus ``lane``.
+* ``quantum``: one per persistent quantum, child of ``generation``, with the
+  quantum's size, tokens emitted, finish reason and backend; its start and end
+  are the launch's wall-clock times.
+"""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from ops.tracing import (
+    ATTR_GEN_AI_FINISH_REASONS,
+    ATTR_GEN_AI_INPUT_TOKENS,
+    ATTR_GEN_AI_MAX_TOKENS,
+    ATTR_GEN_AI_MODEL,
+    ATTR_GEN_AI_OUTPUT_TOKENS,
+    ATTR_GEN_AI_TEMPERATURE,
+    ATTR_LANE,
+    ATTR_REQUEST_ID,
+    SPAN_GENERATION,
+    SPAN_QUANTUM,
+    extract_context,
+)
+
+
+class RequestTelemetry:
+    """Spans and metrics of one request inside an engine actor (thread-safe enough: one writer at a time).
+
+    Created by :meth:`EngineTelemetry.start`; call :meth:`end` exactly once.
+    """
+
+    def __init__(self, owner: EngineTelemetry, g) -> None:
+        self._owner = owner
+        self._arrival = time.monotonic()
+        self._queued = False
+        self.output_tokens = 0
+        self.finish_reasons: list[str] = []
+        p = g.params
+        self.span = owner.tracer.start_span(SPAN_GENERATION, context=extract_context(g.trace_context), attributes={
+            ATTR_LANE: owner.lane, ATTR_REQUEST_ID: g.request_id, ATTR_GEN_AI_MODEL: owner.model,
+            ATTR_GEN_AI_TEMPERATURE: float(p.temperature), ATTR_GEN_AI_MAX_TOKENS: int(p.max_tokens),
+            ATTR_GEN_AI_INPUT_TOKENS: len(g.prompt_token_ids),
+        })
+
+    def scheduled(self) -> None:
+        """The request was scheduled (prefill starts): records its queue time once."""
+        if not self._queued:
+            self._queued = True
+            self._owner.metrics.queue_time(self._owner.lane, time.monotonic() - self._arrival)
+
+    def quantum(self, size: int, emitted: int, finish_reason: str | None, start_ns: int, end_ns: int,
+                backend: str | None = None, error: str | None = None) -> None:
+        """One persistent quantum: ``size`` tokens asked, ``emitted`` returned (0 when it failed with ``error``).
+
+        ``start_ns``/``end_ns`` are ``time.time_ns()`` around the launch; ``backend`` the backend that ran it.
+        """
+        backend = backend or self._owner.backend or "none"
+        attrs = {"quantum.size": size, "quantum.tokens_emitted": emitted, "persistent.backend": backend}
+        if finish_reason:
+            attrs["quantum.finish_reason"] = finish_reason
+        if error:
+            attrs["quantum.error"] = error
+        span = self._owner.tracer.start_span(SPAN_QUANTUM, context=trace.set_span_in_context(self.span),
+                                             attributes=attrs, start_time=start_ns)
+        if error:
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=end_ns)
+        if not error:
+            self._owner.metrics.quantum(backend, emitted)
+
+    def chunk(self, item) -> None:
+        """Account one item the actor streams back (chunk, rejection or error)."""
+        tokens = getattr(item, "token_ids", None)
+        if tokens is not None:
+            self.output_tokens += len(tokens)
+            if item.finish_reason:
+                self.finish_reasons.append(item.finish_reason)
+        elif hasattr(item, "reason"):  # Rejection or GenerationError
+            self.span.set_attribute("error.reason", item.reason)
+            if type(item).__name__ == "GenerationError":
+                self.span.set_status(Status(StatusCode.ERROR, item.message))
+
+    def end(self) -> None:
+        self.span.set_attribute(ATTR_GEN_AI_OUTPUT_TOKENS, self.output_tokens)
+        if self.finish_reasons:
+            self.span.set_attribute(ATTR_GEN_AI_FINISH_REASONS, self.finish_reasons)
+        self.span.end()
+
+
+class EngineTelemetry:
+    """Per-actor factory of :class:`RequestTelemetry`, plus the actor's gauges.
+
+    Args:
+        lane: ``"persistent"`` or ``"standard"``.
+        model: served model name (``gen_ai.request.model``).
+        backend: persistent backend name, or None.
+        tracer: an OpenTelemetry tracer (``ops.tracing.get_tracer()``).
+        metrics: an ``ops.metrics.ServeMetrics``.
+    """
+
+    def __init__(self, lane: str, model: str, backend: str | None, tracer, metrics) -> None:
+        self.lane, self.model, self.backend = lane, model, backend
+        self.tracer, self.metrics = tracer, metrics
+
+    def start(self, g) -> RequestTelemetry:
+        """Open the ``generation`` span of ``g`` (a ``GenerateRequest``)."""
+        return RequestTelemetry(self, g)
+
+    def gauges(self, stats: dict) -> None:
+        """Publish KV page and decoder-health gauges from the engine's ``stats()`` dict."""
+        total, free = stats.get("kv_pages_total"), stats.get("kv_pages_free")
+        if total is not None and free is not None:
+            self.metrics.kv_pages(self.lane, total - free, free)
+        if self.lane == "persistent":
+            self.metrics.decoder_health(self.backend or "none", bool(stats.get("decoder_healthy")))
+
+
+def build_engine_telemetry(lane: str, model: str, backend: str | None, tracing_config=None) -> EngineTelemetry:
+    """Set up tracing for this process (``tracing_config``: an ``ops.tracing.TracingConfig``) and build the telemetry."""
+    from ops.metrics import get_metrics
+    from ops.tracing import get_tracer, setup_tracing
+
+    setup_tracing(tracing_config)
+    return EngineTelemetry(lane, model, backend, get_tracer(), get_metrics())

@@ -1,0 +1,65 @@
+"""``ops.bench_serve`` and ``ops.eval_gsm8k`` end to end against the session's real server (SmolLM2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ops import bench_serve, eval_gsm8k, gsm8k
+
+pytestmark = pytest.mark.ray
+
+
+def test_bench_serve_random_prompts_with_lane_breakdown(server, tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    summary = bench_serve.main([
+        "--base-url", server, "--num-prompts", "4", "--max-concurrency", "2", "--dataset", "random",
+        "--random-input-len", "16", "--random-output-len", "8", "--json", str(out), "--plot", str(png),
+        "--no-progress"])
+    assert summary["completed"] == 4 and summary["failed"] == 0
+    assert summary["output_tokens"] == 4 * 8  # ignore_eos: exactly the asked length
+    assert set(summary["per_lane"]) <= {"persistent", "standard"} and "persistent" in summary["per_lane"]
+    assert sum(b["completed"] for b in summary["per_lane"].values()) == 4
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        st = summary[metric]
+        assert 0 < st["mean"] and 0 < st["median"] <= st["p99"]
+    assert summary["ttft_ms"]["p99"] <= summary["e2el_ms"]["p99"]
+    saved = json.loads(out.read_text())
+    assert len(saved["requests"]) == 4 and all(r["lane"] for r in saved["requests"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    for _ in range(2):  # idempotent: the section is replaced, not duplicated
+        bench_serve.write_docs("ci", saved, docs)
+    text = docs.read_text()
+    assert text.count("<!-- bench_serve:ci:start -->") == 1 and "Successful requests:          4" in text
+
+
+def test_bench_serve_gsm8k_prompts_at_a_request_rate_forced_standard(server):
+    summary = bench_serve.main([
+        "--base-url", server, "--num-prompts", "3", "--request-rate", "5", "--dataset", "gsm8k",
+        "--gsm8k-file", str(gsm8k.SAMPLE_DIR / "test_head4.jsonl"), "--random-output-len", "6",
+        "--lane", "standard", "--no-progress"])
+    assert summary["completed"] == 3 and list(summary["per_lane"]) == ["standard"]
+
+
+def test_eval_gsm8k_lanes_agree_on_every_completion(server, tmp_path):
+    out = tmp_path / "eval.json"
+    report = eval_gsm8k.main([
+        "--base-url", server, "--test-file", str(gsm8k.SAMPLE_DIR / "test_head4.jsonl"),
+        "--fewshot-file", str(gsm8k.SAMPLE_DIR / "train_head3.jsonl"), "--limit", "3",
+        "--max-tokens", "40", "--json", str(out), "--no-progress"])
+    assert report["num_problems"] == 3 and report["num_fewshot"] == 3
+    for lane in ("persistent", "standard"):
+        assert report["lanes"][lane]["lane_mismatches"] == 0  # each lane really served its requests
+    eq = report["equivalence"]
+    assert eq["fraction_identical"] == 1.0 and eq["identical"] == 3 and not eq["examples"], eq
+    rows = json.loads(out.read_text())["problems"]
+    assert all(r["lanes"]["persistent"]["output_tokens"] > 0 for r in rows)
+    assert report["lanes"]["persistent"]["strict_match"] == report["lanes"]["standard"]["strict_match"]
+
+
+def test_eval_gsm8k_names_the_option_when_data_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--data-dir or --test-file"):
+        eval_gsm8k.main(["--data-dir", str(tmp_path), "--limit", "1"])
