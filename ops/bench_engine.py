@@ -9,7 +9,8 @@ checkpoints), one request with a ``--prompt-len`` token prompt generates
 
 * ``persistent/cuda_graph`` — our persistent lane, quanta replayed from CUDA graphs;
 * ``persistent/eager`` — our persistent lane, reference backend;
-* ``standard`` — our continuous-batching lane at batch one;
+* ``standard`` — our continuous-batching lane at batch one (its decode steps replay
+  per-batch-size CUDA graphs on a GPU: :mod:`replicas.decode_graphs`);
 * ``hf/eager`` — transformers ``generate`` (same shape, its own random bf16
   weights; GPT-OSS experts dense bf16, so 120b does not fit one GPU and is skipped);
 * ``hf/static+compile`` — transformers with ``cache_implementation="static"``
@@ -148,7 +149,7 @@ def load_smollm2_core(path: str, device: torch.device, dtype: torch.dtype, max_m
 def core_for(model, device: torch.device, dtype: torch.dtype, max_model_len: int, tokenizer=None):
     """Wrap ``model`` in an :class:`EngineCore` with a KV cache for two ``max_model_len`` sequences."""
     from replicas.config import EngineConfig
-    from replicas.engine import EngineCore
+    from replicas.engine import EngineCore, decode_graphs
     from replicas.kv_cache import KVCache, PageAllocator
     from replicas.model_runner import ModelRunner
 
@@ -157,9 +158,9 @@ def core_for(model, device: torch.device, dtype: torch.dtype, max_model_len: int
                         max_model_len=max_model_len, num_kv_blocks=2 * -(-max_model_len // 16) + 8,
                         enable_prefix_caching=False, progress=False)
     kv = KVCache(cfg, ecfg.resolved_num_kv_blocks(), dtype, device)
+    runner = ModelRunner(model, kv.planes(), device, graphs=decode_graphs(ecfg, model, kv, device))
     return EngineCore(config=ecfg, model=model, tokenizer=tokenizer or _NullTokenizer(), kv_cache=kv,
-                      allocator=PageAllocator(kv.num_blocks), runner=ModelRunner(model, kv.planes(), device),
-                      eos_token_ids=frozenset(cfg.eos_token_ids))
+                      allocator=PageAllocator(kv.num_blocks), runner=runner, eos_token_ids=frozenset(cfg.eos_token_ids))
 
 
 def _sync(device: torch.device) -> None:

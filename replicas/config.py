@@ -34,6 +34,12 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = Field(
         True, description="Split long prompts across steps under max_num_batched_tokens, mixed with decodes."
     )
+    enforce_eager: bool = Field(
+        False, description="Never replay CUDA graphs for standard-lane decode steps (vLLM's flag of that name)."
+    )
+    cuda_graph_batch_sizes: tuple[int, ...] = Field(
+        (1, 2, 4, 8, 16, 32), description="Batch-size buckets of the standard lane's decode CUDA graphs (GPU only)."
+    )
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's own).")
     progress: bool = Field(True, description="Show progress bars while loading.")
 

@@ -69,7 +69,7 @@ class EngineCore:
         return cls(
             config=config, model=model, tokenizer=tokenizer, kv_cache=kv,
             allocator=PageAllocator(kv.num_blocks, enable_prefix_caching=enable_prefix_caching),
-            runner=ModelRunner(model, kv.planes(), device),
+            runner=ModelRunner(model, kv.planes(), device, graphs=decode_graphs(config, model, kv, device)),
             eos_token_ids=frozenset(eos),
         )
 
@@ -217,3 +217,14 @@ class LLMEngine:
             "kv_pages_cached": a.num_cached, "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting), "num_preemptions": self.scheduler.num_preemptions,
         }
+
+
+def decode_graphs(config: EngineConfig, model, kv, device):
+    """The standard lane's per-bucket decode CUDA graphs for this engine, or None (CPU, ``enforce_eager``,
+    or a model without a static decode step). Buckets above ``max_num_seqs`` are not kept."""
+    if torch.device(device).type != "cuda" or config.enforce_eager or not hasattr(model, "decode_static"):
+        return None
+    from replicas.decode_graphs import DecodeGraphs
+
+    sizes = tuple(b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs) or (1,)
+    return DecodeGraphs(model, kv.planes(), device, config.max_model_len, sizes)

@@ -54,12 +54,15 @@ class ModelRunner:
         model: a model whose ``forward(input_ids, meta, kv_planes)`` returns ``[B, vocab]`` fp32 logits.
         kv_planes: per layer ``(key_plane, value_plane)``.
         device: where inputs are built.
+        graphs: optional :class:`~replicas.decode_graphs.DecodeGraphs`: pure-decode steps that fit a
+            bucket replay a CUDA graph instead of the eager forward.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_planes, device: torch.device | str):
+    def __init__(self, model: torch.nn.Module, kv_planes, device: torch.device | str, graphs=None):
         self.model = model
         self.kv_planes = kv_planes
         self.device = device
+        self.graphs = graphs
 
     @torch.inference_mode()
     def execute(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
@@ -68,5 +71,11 @@ class ModelRunner:
         Returns:
             ``[len(batch), vocab]`` fp32 logits of each request's last new token.
         """
+        if self.graphs is not None:
+            size = self.graphs.bucket(batch)
+            if size is not None:
+                logits = self.graphs.run(batch, size)
+                if logits is not None:
+                    return logits
         input_ids, meta = build_metadata(batch, self.device)
         return self.model(input_ids, meta, self.kv_planes)

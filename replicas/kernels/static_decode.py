@@ -16,8 +16,10 @@ from replicas.kernels.triton_loader import lazy_kernel
 
 
 def static_slot(block_table: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """Flat cache slot of ``position`` ``[1]`` through ``block_table`` ``[max_blocks]`` (both int64, on device)."""
-    return block_table[position // PAGE_SIZE] * PAGE_SIZE + position % PAGE_SIZE
+    """Flat cache slots ``[B]`` of ``position`` ``[B]`` through ``block_table`` ``[B, max_blocks]`` (or
+    ``[max_blocks]`` for ``B = 1``), all int64 on the device."""
+    table = block_table.view(position.shape[0], -1)
+    return table.gather(1, (position // PAGE_SIZE).view(-1, 1)).view(-1) * PAGE_SIZE + position % PAGE_SIZE
 
 
 def static_decode_attention(
@@ -25,13 +27,14 @@ def static_decode_attention(
     block_table: torch.Tensor, context_len: torch.Tensor, scale: float, *,
     sinks: torch.Tensor | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """One query token's attention over its paged context, with static shapes.
+    """One query token per sequence attending over its paged context, with static shapes.
 
     Args:
-        query: ``[1, H, D]``.
+        query: ``[B, H, D]``.
         key_plane, value_plane: ``[num_blocks, PAGE_SIZE, KVH, D]``.
-        block_table: ``[max_blocks]`` int64 page ids (padding entries may be any valid page).
-        context_len: ``[1]`` int64, keys ``0 .. context_len-1`` are visible
+        block_table: ``[B, max_blocks]`` (or ``[max_blocks]`` for ``B = 1``) int64 page ids
+            (padding entries may be any valid page).
+        context_len: ``[B]`` int64, keys ``0 .. context_len-1`` are visible
             (the query's own KV already written at ``context_len - 1``).
         scale: softmax scale.
         sinks: optional ``[H]`` per-head sink logits (GPT-OSS; transformers'
@@ -39,8 +42,14 @@ def static_decode_attention(
         sliding_window: optional window ``W``: only keys at positions ``> context_len - 1 - W``.
 
     Returns:
-        ``[1, H, D]`` in ``query.dtype``; the softmax runs in fp32.
+        ``[B, H, D]`` in ``query.dtype``; the softmax runs in fp32.
     """
+    if query.shape[0] > 1:
+        table = block_table.view(query.shape[0], -1)
+        return torch.cat([static_decode_attention(query[i:i + 1], key_plane, value_plane, table[i],
+                                                  context_len[i:i + 1], scale, sinks=sinks,
+                                                  sliding_window=sliding_window) for i in range(query.shape[0])])
+    block_table = block_table.view(-1)
     num_heads, head_dim = query.shape[1], query.shape[2]
     kvh = key_plane.shape[2]
     k = key_plane.index_select(0, block_table).flatten(0, 1)  # [L, KVH, D], L = max_blocks * PAGE_SIZE
@@ -80,7 +89,8 @@ def decode_attention(query, key_plane, value_plane, block_table, context_len, sc
 
 
 def rope_kv_write(attn, x, cos_table, sin_table, position, block_table, key_plane, value_plane):
-    """Project ``x`` ``[1, hidden]`` with ``attn``'s fused qkv, rotate q/k, write k/v to the cache; return q ``[1, H, D]``.
+    """Project ``x`` ``[B, hidden]`` with ``attn``'s fused qkv, rotate q/k, write k/v to the cache; return q
+    ``[B, H, D]`` (``position`` ``[B]``, ``block_table`` ``[B, max_blocks]`` or ``[max_blocks]`` for ``B = 1``).
 
     ``attn`` has ``qkv_proj`` (callable), ``num_heads``, ``num_kv_heads``, ``head_dim``.
     ``cos_table``/``sin_table`` are ``[max_pos, D]`` (Llama, halves repeated) or ``[max_pos, D/2]``

@@ -30,18 +30,21 @@ TOKENS_PER_ITER = 64
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
-    scale, stride_kb, stride_kt, stride_kh, num_splits, window,
+    scale, stride_kb, stride_kt, stride_kh, num_splits, window, stride_tb, num_kvh,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
+    seq = tl.program_id(2)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     offs_t = tl.arange(0, BLOCK)
     g_mask = offs_g < G
+    q_ptr += seq * num_kvh * G * D
+    table_ptr += seq * stride_tb
     q = tl.load(q_ptr + (kvh * G + offs_g)[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-    ctx = tl.load(ctx_ptr)
+    ctx = tl.load(ctx_ptr + seq)  # 0 for a padding row of a CUDA-graph batch: nothing is read
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0)
@@ -68,7 +71,7 @@ def _split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    out_row = (kvh * num_splits + split) * GP + offs_g
+    out_row = ((seq * num_kvh + kvh) * num_splits + split) * GP + offs_g
     tl.store(part_m_ptr + out_row, m_i)
     tl.store(part_l_ptr + out_row, l_i)
     tl.store(part_o_ptr + out_row[:, None] * D + offs_d[None, :], acc)
@@ -76,15 +79,18 @@ def _split_kernel(
 
 @triton.jit
 def _merge_kernel(
-    part_m_ptr, part_l_ptr, part_o_ptr, sinks_ptr, out_ptr, num_splits,
+    part_m_ptr, part_l_ptr, part_o_ptr, sinks_ptr, out_ptr, num_splits, num_kvh,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLITS_P: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     kvh = tl.program_id(0)
+    seq = tl.program_id(1)
+    out_ptr += seq * num_kvh * G * D
+    base = (seq * num_kvh + kvh) * num_splits
     offs_s = tl.arange(0, SPLITS_P)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     s_mask = offs_s < num_splits
-    rows = (kvh * num_splits + offs_s)[:, None] * GP + offs_g[None, :]  # [S, GP]
+    rows = (base + offs_s)[:, None] * GP + offs_g[None, :]  # [S, GP]
     m = tl.load(part_m_ptr + rows, mask=s_mask[:, None], other=float("-inf"))
     den = tl.load(part_l_ptr + rows, mask=s_mask[:, None], other=0.0)
     m_all = tl.max(m, 0)  # [GP]
@@ -98,11 +104,11 @@ def _merge_kernel(
         denom += tl.exp(sink - m_safe)
     acc = tl.zeros([GP, D], tl.float32)
     for s in range(0, num_splits):
-        row = (kvh * num_splits + s) * GP + offs_g
+        row = (base + s) * GP + offs_g
         ms = tl.load(part_m_ptr + row)
         o = tl.load(part_o_ptr + row[:, None] * D + offs_d[None, :])
         acc += o * tl.exp(ms - m_safe)[:, None]
-    out = acc / denom[:, None]
+    out = tl.where(denom[:, None] > 0, acc / denom[:, None], 0.0)  # a padding row (no keys) gives 0
     g_mask = offs_g < G
     tl.store(out_ptr + (kvh * G + offs_g)[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=g_mask[:, None])
@@ -114,40 +120,44 @@ def triton_decode_attention(
     sinks: torch.Tensor | None = None, sliding_window: int | None = None, num_splits: int = 16,
     workspace: dict | None = None,
 ) -> torch.Tensor:
-    """Decode attention of ``query`` ``[1, H, D]`` over its paged context; see the module docstring.
+    """Decode attention of ``query`` ``[B, H, D]`` (one token per sequence) over each sequence's paged
+    context; see the module docstring.
 
     Args:
         key_plane, value_plane: ``[num_blocks, PAGE_SIZE, KVH, D]``, contiguous in the last two dims.
-        block_table: ``[max_blocks]`` int64 page ids; context_len: ``[1]`` int64 (on the device).
+        block_table: ``[B, max_blocks]`` (or ``[max_blocks]`` for ``B = 1``) int64 page ids;
+            context_len: ``[B]`` int64 (on the device; 0 marks a padding row, whose output is 0).
         num_splits: programs per KV head along the context (split-K).
         workspace: optional dict reused across calls for the partial buffers (keeps a
             captured graph's allocations fixed).
 
     Returns:
-        ``[1, H, D]`` in ``query.dtype``.
+        ``[B, H, D]`` in ``query.dtype``.
     """
-    _, num_heads, head_dim = query.shape
+    batch, num_heads, head_dim = query.shape
+    block_table = block_table.view(batch, -1) if block_table.dim() == 1 else block_table
     kvh = key_plane.shape[2]
     group = num_heads // kvh
     gp = max(16, triton.next_power_of_2(group))
     ws = workspace if workspace is not None else {}
-    key = (kvh, num_splits, gp, head_dim, query.device)
+    key = (batch, kvh, num_splits, gp, head_dim, query.device)
     if ws.get("key") != key:
+        rows = batch * kvh * num_splits * gp
         ws.update(key=key,
-                  m=torch.empty(kvh * num_splits * gp, dtype=torch.float32, device=query.device),
-                  l=torch.empty(kvh * num_splits * gp, dtype=torch.float32, device=query.device),
-                  o=torch.empty(kvh * num_splits * gp, head_dim, dtype=torch.float32, device=query.device))
+                  m=torch.empty(rows, dtype=torch.float32, device=query.device),
+                  l=torch.empty(rows, dtype=torch.float32, device=query.device),
+                  o=torch.empty(rows, head_dim, dtype=torch.float32, device=query.device))
     out = torch.empty_like(query)
-    q = query.reshape(num_heads, head_dim).contiguous()
-    _split_kernel[(kvh, num_splits)](
+    q = query.contiguous()
+    _split_kernel[(kvh, num_splits, batch)](
         q, key_plane, value_plane, block_table, context_len, ws["m"], ws["l"], ws["o"],
         scale, key_plane.stride(0), key_plane.stride(1), key_plane.stride(2), num_splits,
-        sliding_window or 0,
+        sliding_window or 0, block_table.stride(0), kvh,
         G=group, GP=gp, D=head_dim, PAGE=PAGE_SIZE, BLOCK=TOKENS_PER_ITER, HAS_WINDOW=sliding_window is not None,
         PRECISION="ieee" if query.dtype == torch.float32 else None,
     )
-    _merge_kernel[(kvh,)](
-        ws["m"], ws["l"], ws["o"], sinks if sinks is not None else q, out, num_splits,
+    _merge_kernel[(kvh, batch)](
+        ws["m"], ws["l"], ws["o"], sinks if sinks is not None else q, out, num_splits, kvh,
         G=group, GP=gp, D=head_dim, SPLITS_P=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
     )
     return out

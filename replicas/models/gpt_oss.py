@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replicas.kernels.moe import moe, moe_add_rmsnorm, moe_reference, route
+from replicas.kernels.moe import GROUPED_MAX_TOKENS, moe, moe_add_rmsnorm, moe_reference, route
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from replicas.kernels.static_decode import add_rmsnorm, decode_attention, rope_kv_write
 from replicas.models.gpt_oss_config import GptOssConfig, YarnScaling
@@ -297,6 +297,9 @@ class GptOssForCausalLM(nn.Module):
     compile_decode_step = False
     """The decode step is already our fused kernels plus cuBLAS GEMVs; Inductor has nothing left to fuse."""
 
+    max_decode_graph_batch = GROUPED_MAX_TOKENS
+    """Above this many tokens the MoE runs its host-synchronizing reference path: not capturable."""
+
     def fuse_qkv(self) -> GptOssForCausalLM:
         """Fuse every layer's q/k/v projections (:meth:`Attention.fuse_qkv`); returns ``self``."""
         for layer in self.model.layers:
@@ -315,23 +318,24 @@ class GptOssForCausalLM(nn.Module):
         Torch references of the same kernels on CPU. Call under ``torch.inference_mode()``.
 
         Args:
-            token: ``[1]`` int64 pending token; position: ``[1]`` int64 its position (committed KV length).
-            block_table: ``[max_blocks]`` int64 page ids covering ``position``.
+            token: ``[B]`` int64 pending tokens; position: ``[B]`` int64 their positions (committed KV
+                lengths; -1 marks a padding row of a CUDA-graph batch, Triton kernels only).
+            block_table: ``[B, max_blocks]`` (or ``[max_blocks]`` for ``B = 1``) int64 page ids.
             kv_planes: per layer ``(key_plane, value_plane)``.
 
         Returns:
-            ``[1, vocab]`` fp32 logits for the next token.
+            ``[B, vocab]`` fp32 logits for each sequence's next token.
         """
         context_len = position + 1
         layers = self.model.layers
-        x = self.model.embed_tokens(token)  # [1, hidden]
+        x = self.model.embed_tokens(token)  # [B, hidden]
         _, h = add_rmsnorm(x, None, layers[0].input_layernorm, True)
         for i, (layer, (kp, vp)) in enumerate(zip(layers, kv_planes, strict=True)):
             attn = layer.self_attn
             q = rope_kv_write(attn, h, self.rope_cos, self.rope_sin, position, block_table, kp, vp)  # [1, H, D]
             o = decode_attention(q, kp, vp, block_table, context_len, attn.scale, sinks=attn.sinks,
                                  sliding_window=attn.sliding_window, workspace=self._decode_workspace)
-            x, h = add_rmsnorm(x, attn.o_proj(o.reshape(1, -1)), layer.post_attention_layernorm, True)
+            x, h = add_rmsnorm(x, attn.o_proj(o.reshape(x.shape[0], -1)), layer.post_attention_layernorm, True)
             weights, ids = route(layer.mlp.router, h)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, h = moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True)

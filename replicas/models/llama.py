@@ -171,22 +171,23 @@ class LlamaForCausalLM(nn.Module):
         ``torch.compile`` can trace it whole.
 
         Args:
-            token: ``[1]`` int64, the pending token (its KV is not yet in the cache).
-            position: ``[1]`` int64, its position (= committed KV length).
-            block_table: ``[max_blocks]`` int64 page ids covering ``position``.
+            token: ``[B]`` int64, each sequence's pending token (its KV is not yet in the cache).
+            position: ``[B]`` int64, its position (= committed KV length); -1 marks a padding row of
+                a CUDA-graph batch (Triton kernels only: nothing is written, its logits are garbage).
+            block_table: ``[B, max_blocks]`` (or ``[max_blocks]`` for ``B = 1``) int64 page ids.
             kv_planes: per layer ``(key_plane, value_plane)``.
 
         Returns:
-            ``[1, vocab]`` fp32 logits for the next token.
+            ``[B, vocab]`` fp32 logits for each sequence's next token.
         """
         context_len = position + 1
-        x = self.model.embed_tokens(token)  # [1, hidden]
+        x = self.model.embed_tokens(token)  # [B, hidden]
         for layer, (kp, vp) in zip(self.model.layers, kv_planes, strict=True):
             attn = layer.self_attn
             q = rope_kv_write(attn, layer.input_layernorm(x), self.rope_cos, self.rope_sin, position, block_table,
                               kp, vp)  # [1, H, D]; k and v are in the cache
             o = decode_attention(q, kp, vp, block_table, context_len, attn.scale, workspace=self._decode_workspace)
-            x = x + attn.o_proj(o.reshape(1, -1))
+            x = x + attn.o_proj(o.reshape(x.shape[0], -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.model.norm(x)).float()
 

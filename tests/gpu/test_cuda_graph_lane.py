@@ -1,6 +1,7 @@
 """On an NVIDIA GPU: the persistent lane's captured CUDA-graph quanta against the standard lane.
 
-Run through the ``device`` tool: ``python -m pytest tests/gpu -q -o addopts=""``.
+Run through the ``device`` tool: ``python -m pytest tests/gpu -q -o addopts=""``. The standard lane
+decodes through its per-batch-size CUDA graphs (:mod:`replicas.decode_graphs`) here.
 Models: SmolLM2-135M's shape with random weights, SmolLM2-135M-Instruct's real
 weights when ``SMOLLM2_PATH`` names its GGUF file (or HF directory), and a
 small random GPT-OSS (MXFP4 experts, sinks, sliding window). fp32, so that the
@@ -59,6 +60,8 @@ def _lanes_agree(core, vocab: int, prompts_n: int = 20, tokens: int = 128) -> No
         same += out == standard[f"s{i}"]
     assert core.allocator.num_free == core.allocator.num_blocks
     assert same == len(prompts), f"{same}/{len(prompts)} prompts identical"
+    graphs = core.runner.graphs
+    assert graphs is not None and graphs.replays > 0 and graphs._graphs, "standard lane decoded without graphs"
 
 
 def test_smollm2_shape_random_weights_20_prompts_x_128_tokens():

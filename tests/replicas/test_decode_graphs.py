@@ -1,0 +1,107 @@
+"""The standard lane's decode-graph path on CPU: the batched static decode step it records, and bucketing.
+
+CUDA graphs themselves are captured and replayed only on a GPU (``tests/gpu``:
+the standard lane with graphs gives the persistent lane's tokens). Here the
+step a graph records — ``decode_static`` over several sequences at once, with
+the torch references of its kernels — is checked against the eager forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replicas.decode_graphs import DecodeGraphs
+from replicas.kernels.paged_attention import PAGE_SIZE
+from replicas.model_runner import build_metadata
+from replicas.request import Request, SamplingParams
+from tests.replicas.conftest import chat_ids
+
+
+def _prefilled(core, prompts: list[list[int]]) -> list[Request]:
+    """Requests whose prompts are in the cache (one pending token each: the prompt's last)."""
+    reqs = []
+    for i, ids in enumerate(prompts):
+        req = Request(f"g{i}", list(ids), SamplingParams(max_tokens=4, temperature=0.0))
+        req.block_table = core.allocator.allocate(-(-(len(ids) + 1) // PAGE_SIZE))
+        core.runner.execute([(req, len(ids) - 1)])  # everything but the last prompt token
+        req.num_computed_tokens = len(ids) - 1
+        reqs.append(req)
+    return reqs
+
+
+def test_batched_static_decode_step_equals_the_eager_forward(core, tokenizer):
+    """Three sequences of different lengths in one static step (what a bucket-4 graph records, minus the
+    padding row) give the eager forward's logits."""
+    prompts = [chat_ids(tokenizer, t) for t in ("Hi", "What is the capital of France?", "Count to five.")]
+    reqs = _prefilled(core, prompts)
+    try:
+        max_blocks = 8
+        tables = torch.zeros(len(reqs), max_blocks, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            tables[i, : len(r.block_table)] = torch.tensor(r.block_table)
+        token = torch.tensor([r.all_token_ids[r.num_computed_tokens] for r in reqs])
+        position = torch.tensor([r.num_computed_tokens for r in reqs])
+        saved = core.kv_cache.tensor.clone()
+        with torch.inference_mode():
+            static = core.model.decode_static(token, position, tables, core.runner.kv_planes)
+        core.kv_cache.tensor.copy_(saved)  # the eager forward writes the same KV again
+        input_ids, meta = build_metadata([(r, 1) for r in reqs], "cpu")
+        with torch.inference_mode():
+            eager = core.model(input_ids, meta, core.runner.kv_planes)
+        assert static.shape == eager.shape == (3, core.model.config.vocab_size)
+        torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+        assert torch.equal(static.argmax(-1), eager.argmax(-1))
+    finally:
+        for r in reqs:
+            core.allocator.free(r.block_table)
+
+
+def test_buckets_take_only_pure_decode_batches_that_fit(core):
+    graphs = DecodeGraphs(core.model, core.runner.kv_planes, torch.device("cuda"), max_model_len=64,
+                          batch_sizes=(1, 2, 4, 8))
+    req = Request("b", [1, 2, 3], SamplingParams(max_tokens=4))
+    req.block_table = [0, 1]
+    assert graphs.bucket([(req, 1)]) == 1
+    assert graphs.bucket([(req, 1)] * 3) == 4
+    assert graphs.bucket([(req, 1)] * 9) is None  # above the largest bucket
+    assert graphs.bucket([(req, 1), (req, 2)]) is None  # a prompt chunk: not pure decode
+    req.block_table = list(range(5))  # 80 tokens of pages > max_model_len 64
+    assert graphs.bucket([(req, 1)]) is None
+    graphs._failed.add(2)
+    req.block_table = [0]
+    assert graphs.bucket([(req, 1)] * 2) is None  # a bucket whose capture failed runs eagerly
+
+
+def test_gpt_oss_keeps_graph_buckets_within_its_moe_kernel_limit():
+    from replicas.models.gpt_oss import GptOssForCausalLM
+
+    model = type("M", (), {"max_decode_graph_batch": GptOssForCausalLM.max_decode_graph_batch})()
+    graphs = DecodeGraphs(model, [], torch.device("cuda"), 64, batch_sizes=(1, 8, 16, 32))
+    assert graphs.batch_sizes == (1, 8, 16)
+
+
+def test_batched_static_decode_step_equals_the_eager_forward_gpt_oss(tmp_path):
+    """The same on a tiny random GPT-OSS (sinks, sliding window, MXFP4 experts routed per row)."""
+    from ops.make_tiny_gpt_oss import make_tiny_gpt_oss
+    from replicas.config import EngineConfig
+    from replicas.engine import EngineCore
+    from tests.replicas.conftest import TORCH_THREADS
+
+    core = EngineCore.load(EngineConfig(model=str(make_tiny_gpt_oss(tmp_path / "m", seed=1)), dtype="float32",
+                                        progress=False, max_model_len=512, torch_threads=TORCH_THREADS))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, core.model.config.vocab_size, (n,), generator=g).tolist() for n in (150, 40)]
+    reqs = _prefilled(core, prompts)
+    tables = torch.zeros(2, 16, dtype=torch.long)
+    for i, r in enumerate(reqs):
+        tables[i, : len(r.block_table)] = torch.tensor(r.block_table)
+    token = torch.tensor([r.all_token_ids[r.num_computed_tokens] for r in reqs])
+    position = torch.tensor([r.num_computed_tokens for r in reqs])
+    saved = core.kv_cache.tensor.clone()
+    with torch.inference_mode():
+        static = core.model.decode_static(token, position, tables, core.runner.kv_planes)
+    core.kv_cache.tensor.copy_(saved)
+    input_ids, meta = build_metadata([(r, 1) for r in reqs], "cpu")
+    with torch.inference_mode():
+        eager = core.model(input_ids, meta, core.runner.kv_planes)
+    torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
