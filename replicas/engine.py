@@ -227,4 +227,5 @@ def decode_graphs(config: EngineConfig, model, kv, device):
     from replicas.decode_graphs import DecodeGraphs
 
     sizes = tuple(b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs) or (1,)
-    return DecodeGraphs(model, kv.planes(), device, config.max_model_len, sizes)
+    graphs = DecodeGraphs(model, kv.planes(), device, config.max_model_len, sizes)
+    return graphs if graphs.batch_sizes else None

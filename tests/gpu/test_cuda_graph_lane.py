@@ -26,7 +26,7 @@ SMALL_GPT_OSS = {
 }
 
 
-def _lanes_agree(core, vocab: int, prompts_n: int = 20, tokens: int = 128) -> None:
+def _lanes_agree(core, vocab: int, prompts_n: int = 20, tokens: int = 128, standard_graphs: bool = True) -> None:
     from replicas.engine import LLMEngine
     from replicas.messages import GenerateRequest
     from replicas.persistent.cuda_graph import CudaGraphBackend
@@ -60,8 +60,9 @@ def _lanes_agree(core, vocab: int, prompts_n: int = 20, tokens: int = 128) -> No
         same += out == standard[f"s{i}"]
     assert core.allocator.num_free == core.allocator.num_blocks
     assert same == len(prompts), f"{same}/{len(prompts)} prompts identical"
-    graphs = core.runner.graphs
-    assert graphs is not None and graphs.replays > 0 and graphs._graphs, "standard lane decoded without graphs"
+    if standard_graphs:
+        graphs = core.runner.graphs
+        assert graphs is not None and graphs.replays > 0 and graphs._graphs, "standard lane decoded without graphs"
 
 
 def test_smollm2_shape_random_weights_20_prompts_x_128_tokens():
@@ -87,4 +88,5 @@ def test_small_random_gpt_oss_20_prompts_x_128_tokens():
     core = build_gpt_oss_core({**real_config("20b"), **SMALL_GPT_OSS}, torch.device("cuda"), torch.float32,
                               max_model_len=512)
     core.model.lm_head.weight.data.mul_(20)
-    _lanes_agree(core, SMALL_GPT_OSS["vocab_size"])
+    assert core.runner.graphs is None  # off for GPT-OSS (GptOssForCausalLM.max_decode_graph_batch)
+    _lanes_agree(core, SMALL_GPT_OSS["vocab_size"], standard_graphs=False)

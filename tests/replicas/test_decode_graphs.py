@@ -72,12 +72,21 @@ def test_buckets_take_only_pure_decode_batches_that_fit(core):
     assert graphs.bucket([(req, 1)] * 2) is None  # a bucket whose capture failed runs eagerly
 
 
-def test_gpt_oss_keeps_graph_buckets_within_its_moe_kernel_limit():
+def test_a_model_limits_its_graph_buckets():
+    """A model's ``max_decode_graph_batch`` drops larger buckets (GPT-OSS sets 0: graphs off, see its
+    docstring), and an engine with no bucket left has no graphs at all."""
+    from replicas.config import EngineConfig
+    from replicas.engine import decode_graphs
     from replicas.models.gpt_oss import GptOssForCausalLM
 
-    model = type("M", (), {"max_decode_graph_batch": GptOssForCausalLM.max_decode_graph_batch})()
-    graphs = DecodeGraphs(model, [], torch.device("cuda"), 64, batch_sizes=(1, 8, 16, 32))
-    assert graphs.batch_sizes == (1, 8, 16)
+    limited = type("M", (), {"max_decode_graph_batch": 16, "decode_static": None})()
+    assert DecodeGraphs(limited, [], torch.device("cuda"), 64, batch_sizes=(1, 8, 16, 32)).batch_sizes == (1, 8, 16)
+    off = type("M", (), {"max_decode_graph_batch": GptOssForCausalLM.max_decode_graph_batch, "decode_static": None})()
+    kv = type("KV", (), {"planes": lambda self: []})()
+    assert decode_graphs(EngineConfig(), off, kv, torch.device("cuda")) is None
+    assert decode_graphs(EngineConfig(), limited, kv, torch.device("cuda")) is not None
+    assert decode_graphs(EngineConfig(enforce_eager=True), limited, kv, torch.device("cuda")) is None
+    assert decode_graphs(EngineConfig(), limited, kv, torch.device("cpu")) is None
 
 
 def test_batched_static_decode_step_equals_the_eager_forward_gpt_oss(tmp_path):
