@@ -80,6 +80,7 @@ def _gpu_groups() -> list[dict]:
 def test_at_most_one_persistent_replica_per_gpu_and_the_pool_scales_up_and_down(cluster_app):
     assert _replica_states().get("RUNNING") == 1
     seen: list[dict] = []
+    peak: dict = {"groups": [], "engines": []}
     stop = asyncio.Event()
 
     async def user(c: httpx.AsyncClient):
@@ -98,6 +99,12 @@ def test_at_most_one_persistent_replica_per_gpu_and_the_pool_scales_up_and_down(
                 # scaled to every GPU and asked for one more that cannot be placed: hold a little longer
                 await asyncio.sleep(3)
                 seen.append(await asyncio.to_thread(_replica_states))
+                # where the engines sit, read while the load still holds the pool at its peak (once the
+                # load stops, downscale_delay_s=3 may already remove a replica)
+                peak["groups"] = await asyncio.to_thread(_gpu_groups)
+                async with httpx.AsyncClient() as c:
+                    stats = await c.get(f"{cluster_app}/debug/stats", timeout=30)
+                peak["engines"] = stats.json()["persistent"]["engines"]
                 break
             await asyncio.sleep(0.5)
         stop.set()
@@ -113,11 +120,10 @@ def test_at_most_one_persistent_replica_per_gpu_and_the_pool_scales_up_and_down(
     assert max(s.get("RUNNING", 0) for s in seen) == GPUS, seen  # scaled up to every GPU, never beyond
     assert any(sum(s.values()) > GPUS for s in seen), seen  # the autoscaler wanted more than the GPUs allow
 
-    groups = _gpu_groups()
+    groups, engines = peak["groups"], peak["engines"]
     assert len(groups) == GPUS, groups
     nodes = {pg["bundles_to_node_id"][1] for pg in groups}
     assert len(nodes) == GPUS  # each engine on its own GPU bundle, one per (single-GPU) node
-    engines = httpx.get(f"{cluster_app}/debug/stats", timeout=30).json()["persistent"]["engines"]
     assert {e["placement_group_id"] for e in engines} == {pg["placement_group_id"] for pg in groups}
 
     start = time.monotonic()
