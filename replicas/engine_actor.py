@@ -16,6 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from policy import Mode
@@ -29,6 +30,9 @@ from replicas.persistent.faults import FaultInjectingBackend, FaultInjection
 from replicas.persistent.lane import PersistentLane
 
 logger = logging.getLogger(__name__)
+
+GAUGE_REFRESH_S = 5.0
+"""Seconds between refreshes of the KV-page and decoder-health gauges (Ray expires gauges left unset)."""
 Item = GenerationChunk | Rejection | GenerationError
 
 
@@ -125,6 +129,8 @@ class EngineActor:
         self.telemetry = build_engine_telemetry(lane, config.name, backend_name, tracing)
         self._requests: dict = {}  # request id -> RequestTelemetry, for the engine thread's queue-time hook
         self.telemetry.gauges(self._stats())
+        # Ray drops a gauge nobody set recently: refresh the page/health gauges while idle too
+        threading.Thread(target=self._refresh_gauges, name="gauges", daemon=True).start()
 
     async def ready(self) -> dict:
         """Static facts about this replica, once loaded."""
@@ -137,6 +143,14 @@ class EngineActor:
 
     def _stats(self) -> dict:
         return self.persistent.stats() if self.persistent else self.engine.stats()
+
+    def _refresh_gauges(self, period_s: float = GAUGE_REFRESH_S) -> None:
+        while True:
+            time.sleep(period_s)
+            try:
+                self.telemetry.gauges(self._stats())
+            except Exception:  # noqa: BLE001 - telemetry must never take the engine down
+                logger.debug("gauge refresh failed", exc_info=True)
 
     async def stats(self) -> dict:
         """KV page accounting and queue depth (read by tests and the debug endpoint)."""

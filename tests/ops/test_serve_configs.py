@@ -67,3 +67,18 @@ def test_laptop_override_of_the_serve_config_validates(serve_config: dict) -> No
     config = AppConfig.from_args(args)
     assert config.gpus_per_engine(config.persistent_pool) == 0
     assert config.persistent_pool.engine_bundle(0.5, 0) == {"CPU": 0.5}
+
+
+def test_laptop_config_is_the_production_config_minus_the_hardware(serve_config: dict) -> None:
+    """deploy/serve_config.laptop.yaml (README step 3) validates and keeps the production keys."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.config import AppConfig
+
+    laptop = yaml.safe_load((REPO_ROOT / "deploy" / "serve_config.laptop.yaml").read_text())
+    ServeDeploySchema.model_validate(laptop)
+    args = laptop["applications"][0]["args"]
+    assert set(args) <= set(serve_config["applications"][0]["args"])  # nothing laptop-only
+    config = AppConfig.from_args(args)
+    assert config.gpus_per_engine(config.persistent_pool) == 0
+    assert config.persistent_decoder_checkpoint is None and config.persistent_pool.max_ongoing_requests == 1
