@@ -12,7 +12,6 @@ its own node. Under bounded load the pool scales up; after it, back down.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import httpx
@@ -25,12 +24,6 @@ GPUS = 2
 ASK = [{"role": "user", "content": "Count from one to fifty in words."}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster_app():
     ray = pytest.importorskip("ray")
@@ -38,7 +31,7 @@ def cluster_app():
     from ray.cluster_utils import Cluster
 
     from deployments.app import build_app
-    from tests.deployments.conftest import serve_status_wait, wait_healthy
+    from tests.deployments.conftest import _free_port, serve_status_wait, wait_healthy
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "num_gpus": 0})
     for _ in range(GPUS):

@@ -29,25 +29,31 @@ def _prefilled(core, prompts: list[list[int]]) -> list[Request]:
     return reqs
 
 
+def _static_and_eager(core, reqs: list[Request], max_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the requests' pending tokens from one batched ``decode_static`` step and from the eager
+    forward (the cache restored in between, so both write the same KV)."""
+    tables = torch.zeros(len(reqs), max_blocks, dtype=torch.long)
+    for i, r in enumerate(reqs):
+        tables[i, : len(r.block_table)] = torch.tensor(r.block_table)
+    token = torch.tensor([r.all_token_ids[r.num_computed_tokens] for r in reqs])
+    position = torch.tensor([r.num_computed_tokens for r in reqs])
+    saved = core.kv_cache.tensor.clone()
+    with torch.inference_mode():
+        static = core.model.decode_static(token, position, tables, core.runner.kv_planes)
+    core.kv_cache.tensor.copy_(saved)
+    input_ids, meta = build_metadata([(r, 1) for r in reqs], "cpu")
+    with torch.inference_mode():
+        eager = core.model(input_ids, meta, core.runner.kv_planes)
+    return static, eager
+
+
 def test_batched_static_decode_step_equals_the_eager_forward(core, tokenizer):
     """Three sequences of different lengths in one static step (what a bucket-4 graph records, minus the
     padding row) give the eager forward's logits."""
     prompts = [chat_ids(tokenizer, t) for t in ("Hi", "What is the capital of France?", "Count to five.")]
     reqs = _prefilled(core, prompts)
     try:
-        max_blocks = 8
-        tables = torch.zeros(len(reqs), max_blocks, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            tables[i, : len(r.block_table)] = torch.tensor(r.block_table)
-        token = torch.tensor([r.all_token_ids[r.num_computed_tokens] for r in reqs])
-        position = torch.tensor([r.num_computed_tokens for r in reqs])
-        saved = core.kv_cache.tensor.clone()
-        with torch.inference_mode():
-            static = core.model.decode_static(token, position, tables, core.runner.kv_planes)
-        core.kv_cache.tensor.copy_(saved)  # the eager forward writes the same KV again
-        input_ids, meta = build_metadata([(r, 1) for r in reqs], "cpu")
-        with torch.inference_mode():
-            eager = core.model(input_ids, meta, core.runner.kv_planes)
+        static, eager = _static_and_eager(core, reqs, max_blocks=8)
         assert static.shape == eager.shape == (3, core.model.config.vocab_size)
         torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
         assert torch.equal(static.argmax(-1), eager.argmax(-1))
@@ -100,17 +106,5 @@ def test_batched_static_decode_step_equals_the_eager_forward_gpt_oss(tmp_path):
                                         progress=False, max_model_len=512, torch_threads=TORCH_THREADS))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, core.model.config.vocab_size, (n,), generator=g).tolist() for n in (150, 40)]
-    reqs = _prefilled(core, prompts)
-    tables = torch.zeros(2, 16, dtype=torch.long)
-    for i, r in enumerate(reqs):
-        tables[i, : len(r.block_table)] = torch.tensor(r.block_table)
-    token = torch.tensor([r.all_token_ids[r.num_computed_tokens] for r in reqs])
-    position = torch.tensor([r.num_computed_tokens for r in reqs])
-    saved = core.kv_cache.tensor.clone()
-    with torch.inference_mode():
-        static = core.model.decode_static(token, position, tables, core.runner.kv_planes)
-    core.kv_cache.tensor.copy_(saved)
-    input_ids, meta = build_metadata([(r, 1) for r in reqs], "cpu")
-    with torch.inference_mode():
-        eager = core.model(input_ids, meta, core.runner.kv_planes)
+    static, eager = _static_and_eager(core, _prefilled(core, prompts), max_blocks=16)
     torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
