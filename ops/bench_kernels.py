@@ -72,21 +72,21 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     print(f"cuBLAS bf16 GEMV [{16 * i} x {h}] ({dense.numel() * 2 / 1e6:.1f} MB): {ms * 1e3:.1f} us, "
           f"{dense.numel() * 2 / ms / 1e6:.0f} GB/s")
     print(f"MoE: {t} token(s), {experts_used} experts read, {moved / 1e6:.1f} MB per call")
-    for decode, bj, br, gt in itertools.product((1,), (16,), (4,), (8,)):
-        def call(bj=bj, br=br, gt=gt, decode=decode):
+    for bj, br, gt in itertools.product((8, 16), (4, 8), (8,)):
+        def call(bj=bj, br=br, gt=gt):
             turn[0] += 1
             triton_moe(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias, 1.702, 7.0, residual=x,
-                       block_j=bj, block_r=br, groups_per_tile=gt, decode=decode)
+                       block_j=bj, block_r=br, groups_per_tile=gt)
         ms = _time_ms(call)
-        results.append((decode, bj, br, gt, ms))
+        results.append((bj, br, gt, ms))
     print("portable kernels (triton_moe), best configurations:")
-    for decode, bj, br, gt, ms in sorted(results, key=lambda r: r[-1])[:args.top]:
-        print(f"  decode={decode} block_j={bj:2d} block_r={br:2d} groups/tile={gt}: {ms * 1e3:7.1f} us  "
+    for bj, br, gt, ms in sorted(results, key=lambda r: r[-1])[:args.top]:
+        print(f"  block_j={bj:2d} block_r={br:2d} groups/tile={gt}: {ms * 1e3:7.1f} us  "
               f"{moved / ms / 1e6:6.0f} GB/s")
     from replicas.kernels.triton_moe_mma import triton_moe_partials
 
     mma = []
-    for bj, br, splits, warps in itertools.product((32,), (32,), (5,), (2,)):
+    for bj, br, splits, warps in itertools.product((16, 32), (16, 32), (3, 5, 8), (2,)):
         def call_mma(bj=bj, br=br, splits=splits, warps=warps):
             turn[0] += 1
             triton_moe_partials(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias,

@@ -13,6 +13,7 @@ import torch
 
 from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.kernels.triton_loader import lazy_kernel
+from replicas.models.layers import apply_rope_half, rms_norm
 
 
 def static_slot(block_table: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -107,16 +108,9 @@ def rope_kv_write(attn, x, cos_table, sin_table, position, block_table, key_plan
     t, d, h, kvh = x.shape[0], attn.head_dim, attn.num_heads, attn.num_kv_heads
     q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
     cos, sin = cos_table[position, : d // 2].to(x.dtype), sin_table[position, : d // 2].to(x.dtype)  # [T, D/2]
-    q, k = _rotate(q.view(t, h, d), cos, sin), _rotate(k.view(t, kvh, d), cos, sin)
+    q, k = apply_rope_half(q.view(t, h, d), cos, sin), apply_rope_half(k.view(t, kvh, d), cos, sin)
     write_kv(k, v.view(t, kvh, d), key_plane, value_plane, static_slot(block_table, position))
     return q
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split RoPE of ``x`` ``[T, heads, D]`` by ``cos``/``sin`` ``[T, D/2]`` (Su et al. 2021)."""
-    first, second = x.chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, norm, weight_in_fp32: bool):
@@ -143,7 +137,4 @@ def add_rmsnorm_reference(x, delta, weight, eps, weight_in_fp32):
         x = acc.to(x.dtype)
     elif delta is not None:
         x = x + delta
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = (weight.float() * normed).to(x.dtype) if weight_in_fp32 else weight * normed.to(x.dtype)
-    return x, y
+    return x, rms_norm(x, weight, eps, weight_in_fp32)

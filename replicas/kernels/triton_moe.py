@@ -19,7 +19,7 @@ capturable in a CUDA graph). Weights are read once per pair; for a large ``T``
 MXFP4 decoding (OCP MX v1.0 §5; byte layout as :mod:`replicas.models.mxfp4`):
 byte ``j`` of a 16-byte block holds elements ``2j`` (low nibble) and ``2j+1``
 (high nibble); E2M1 code ``c`` is sign ``c & 8``, exponent ``(c >> 1) & 3``
-(bias 1), mantissa ``c & 1``, built here directly as fp32 bits; the block's
+(bias 1), mantissa ``c & 1``, read through fp16 (:func:`_e2m1_via_f16`); the block's
 E8M0 scale code ``s`` is the fp32 ``2**(s - 127)`` (exponent field ``s``).
 Products accumulate in fp32.
 """
@@ -34,20 +34,9 @@ from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
 
 
 @triton.jit
-def _e2m1(code):
-    """fp32 value of E2M1 codes (int32 tensor, 0..15)."""
-    exp = (code >> 1) & 3
-    man = code & 1
-    # normal (exp > 0): 2**(exp-1) * (1 + man/2) -> fp32 exponent field exp + 126, top mantissa bit man
-    # subnormal (exp == 0): man * 0.5 -> fp32 bits of 0.5 (exponent field 126) or 0
-    bits = tl.where(exp > 0, ((exp + 126) << 23) | (man << 22), man * (126 << 23))
-    bits = bits | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _e2m1_via_f16(code):
-    """E2M1 codes (int32, 0..15) → fp32 value / 2**14, in fewer integer ops than :func:`_e2m1`.
+    """E2M1 codes (int32, 0..15) → fp32 value / 2**14 with a few integer ops (building the fp32 bits
+    directly took ~1.4x longer on the H200: docs/benchmarks.md).
 
     The code's 3 magnitude bits land on fp16's two lowest exponent bits and top mantissa bit, the
     sign on fp16's sign: fp16 then reads ``2**(e-15) (1 + m/2)`` (``e > 0``) or ``m * 2**-15``
@@ -59,13 +48,9 @@ def _e2m1_via_f16(code):
 
 
 @triton.jit
-def _mxfp4_row_dot(row_ptr, srow_ptr, x_ptr, G, GT: tl.constexpr, BR: tl.constexpr, row_mask,
-                   DECODE: tl.constexpr = 1):
+def _mxfp4_row_dot(row_ptr, srow_ptr, x_ptr, G, GT: tl.constexpr, BR: tl.constexpr, row_mask):
     """``[BR]`` fp32 dot products of BR packed rows (``row_ptr`` ``[BR]`` byte pointers, ``srow_ptr`` scale
-    pointers) with the fp32-castable vector at ``x_ptr`` (``G * 32`` values).
-
-    ``DECODE`` 0 builds each value's fp32 bits (:func:`_e2m1`), 1 goes through fp16 (:func:`_e2m1_via_f16`).
-    """
+    pointers) with the fp32-castable vector at ``x_ptr`` (``G * 32`` values)."""
     offs_g = tl.arange(0, GT)
     offs_c = tl.arange(0, 16)
     acc = tl.zeros([BR], tl.float32)
@@ -79,12 +64,8 @@ def _mxfp4_row_dot(row_ptr, srow_ptr, x_ptr, G, GT: tl.constexpr, BR: tl.constex
         xe = tl.load(x_ptr + xi, mask=g_mask[:, None], other=0.0).to(tl.float32)
         xo = tl.load(x_ptr + xi + 1, mask=g_mask[:, None], other=0.0).to(tl.float32)
         s = tl.load(srow_ptr[:, None] + g[None, :], mask=row_mask[:, None] & g_mask[None, :], other=0)
-        if DECODE == 0:
-            part = tl.sum(_e2m1(b & 15) * xe[None, :, :] + _e2m1(b >> 4) * xo[None, :, :], axis=2)  # [BR, GT]
-            scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2**(s-127); code 0 reads as 0
-        else:
-            part = tl.sum(_e2m1_via_f16(b & 15) * xe[None, :, :] + _e2m1_via_f16(b >> 4) * xo[None, :, :], axis=2)
-            scale = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2**(s-127) * 2**14
+        part = tl.sum(_e2m1_via_f16(b & 15) * xe[None, :, :] + _e2m1_via_f16(b >> 4) * xo[None, :, :], axis=2)
+        scale = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2**(s-127) * 2**14
         acc += tl.sum(part * scale, axis=1)
     return acc
 
@@ -94,7 +75,7 @@ def _gate_up_swiglu_kernel(
     x_ptr, ids_ptr, blocks_ptr, scales_ptr, bias_ptr, h_ptr,
     stride_be, stride_br, stride_se, stride_sr, stride_bias,
     INTER, G, alpha, limit,
-    K: tl.constexpr, HIDDEN: tl.constexpr, BJ: tl.constexpr, GT: tl.constexpr, DECODE: tl.constexpr,
+    K: tl.constexpr, HIDDEN: tl.constexpr, BJ: tl.constexpr, GT: tl.constexpr,
 ):
     pair = tl.program_id(0)
     pid = tl.program_id(1)
@@ -106,10 +87,9 @@ def _gate_up_swiglu_kernel(
     x = x_ptr + token * HIDDEN
     base = blocks_ptr + e * stride_be
     sbase = scales_ptr + e * stride_se
-    gate = _mxfp4_row_dot(base + gate_rows * stride_br, sbase + gate_rows * stride_sr, x, G, GT, BJ, j_mask,
-                          DECODE)
+    gate = _mxfp4_row_dot(base + gate_rows * stride_br, sbase + gate_rows * stride_sr, x, G, GT, BJ, j_mask)
     up = _mxfp4_row_dot(base + (gate_rows + 1) * stride_br, sbase + (gate_rows + 1) * stride_sr, x, G, GT, BJ,
-                        j_mask, DECODE)
+                        j_mask)
     gate += tl.load(bias_ptr + e * stride_bias + 2 * j, mask=j_mask, other=0.0).to(tl.float32)
     up += tl.load(bias_ptr + e * stride_bias + 2 * j + 1, mask=j_mask, other=0.0).to(tl.float32)
     gate = tl.minimum(gate, limit)
@@ -123,7 +103,7 @@ def _down_sum_kernel(
     h_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr, res_ptr, out_ptr,
     stride_be, stride_br, stride_se, stride_sr, stride_bias,
     HIDDEN, G, INTER,
-    K: tl.constexpr, BR: tl.constexpr, GT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DECODE: tl.constexpr,
+    K: tl.constexpr, BR: tl.constexpr, GT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     token = tl.program_id(0)
     r = tl.program_id(1) * BR + tl.arange(0, BR)
@@ -135,7 +115,7 @@ def _down_sum_kernel(
         e = tl.load(ids_ptr + pair).to(tl.int64)
         w = tl.load(w_ptr + pair).to(tl.float32)
         y = _mxfp4_row_dot(blocks_ptr + e * stride_be + rows * stride_br, scales_ptr + e * stride_se + rows * stride_sr,
-                           h_ptr + pair * INTER, G, GT, BR, r_mask, DECODE)
+                           h_ptr + pair * INTER, G, GT, BR, r_mask)
         y += tl.load(bias_ptr + e * stride_bias + r, mask=r_mask, other=0.0).to(tl.float32)
         out += w * y
     if HAS_RESIDUAL:
@@ -148,7 +128,7 @@ def triton_moe(
     gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, residual: torch.Tensor | None = None,
-    block_j: int = 8, block_r: int = 8, groups_per_tile: int = 8, decode: int = 1,
+    block_j: int = 8, block_r: int = 8, groups_per_tile: int = 8,
 ) -> torch.Tensor:
     """MXFP4 MoE for ``T`` tokens: ``residual + sum_k weights[:, k] * expert_{ids[:, k]}(x)``.
 
@@ -163,7 +143,6 @@ def triton_moe(
         residual: optional ``[T, hidden]`` added to the result (fuses the layer's residual add).
         block_j, block_r, groups_per_tile: tile sizes (SwiGLU outputs per program, output rows per
             program, 32-value groups per inner step).
-        decode: E2M1 decoding, 0 = fp32 bit building, 1 = through fp16 (fewer integer ops).
 
     Returns:
         ``[T, hidden]`` in ``x.dtype``.
@@ -184,13 +163,13 @@ def triton_moe(
         x, ids, gate_up_blocks, gate_up_scales, gate_up_bias, h,
         gate_up_blocks.stride(0), gate_up_blocks.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
         gate_up_bias.stride(0), inter, hidden // BLOCK_SIZE, alpha, limit,
-        K=k, HIDDEN=hidden, BJ=block_j, GT=groups_per_tile, DECODE=decode,
+        K=k, HIDDEN=hidden, BJ=block_j, GT=groups_per_tile,
     )
     out = torch.empty_like(x)
     _down_sum_kernel[(t, triton.cdiv(hidden, block_r))](
         h, ids, weights, down_blocks, down_scales, down_bias, residual if residual is not None else x, out,
         down_blocks.stride(0), down_blocks.stride(1), down_scales.stride(0), down_scales.stride(1),
         down_bias.stride(0), hidden, inter // BLOCK_SIZE, inter,
-        K=k, BR=block_r, GT=groups_per_tile, HAS_RESIDUAL=residual is not None, DECODE=decode,
+        K=k, BR=block_r, GT=groups_per_tile, HAS_RESIDUAL=residual is not None,
     )
     return out

@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from replicas.kernels.static_decode import add_rmsnorm_reference  # noqa: F401 - the reference, for tests
-
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, y_ptr, N, eps,

@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from replicas.kernels.moe import router_topk_reference  # noqa: F401 - the reference, for tests
-
 
 @triton.jit
 def _router_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr):

@@ -1,8 +1,9 @@
 """GPT-OSS decoder (OpenAI gpt-oss-20b / -120b) over the paged KV cache.
 
-Read top to bottom: RMSNorm → YaRN RoPE → attention (biases, per-head sinks,
+Read top to bottom: YaRN RoPE → attention (biases, per-head sinks,
 128-token sliding window on ``sliding_attention`` layers) → MoE (top-k router,
-MXFP4 experts with the clamped SwiGLU) → decoder layer → model. Module and
+MXFP4 experts with the clamped SwiGLU) → decoder layer → model (RMSNorm and the
+half-split rotation: :mod:`replicas.models.layers`). Module and
 tensor names mirror transformers' ``GptOssForCausalLM`` and the HF checkpoint
 (experts as ``*_blocks``/``*_scales``), so safetensors load by name;
 transformers is our test reference, not our runtime. Shapes: ``T`` = new
@@ -31,6 +32,7 @@ from replicas.kernels.moe import moe, moe_add_rmsnorm, moe_reference, route
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from replicas.kernels.static_decode import add_rmsnorm, decode_attention, rope_kv_write
 from replicas.models.gpt_oss_config import GptOssConfig, YarnScaling
+from replicas.models.layers import RMSNorm, apply_rope_half
 from replicas.models.loader import load_safetensors
 from replicas.models.mxfp4 import (
     BLOCK_SIZE,
@@ -41,21 +43,6 @@ from replicas.models.mxfp4 import (
 
 KVPlanes = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer ``(key_plane, value_plane)``, each ``[num_blocks, PAGE_SIZE, KVH, D]``."""
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019) as transformers' ``GptOssRMSNorm``: the weight multiplies in fp32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------- RoPE
@@ -96,14 +83,6 @@ def rope_tables(cfg: GptOssConfig) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq, scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return freqs.cos() * scale, freqs.sin() * scale
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, D]`` by ``cos``/``sin`` ``[T, D/2]``, half-split pairs ``(i, i + D/2)``
-    (transformers' GPT-OSS ``_apply_rotary_emb``)."""
-    first, second = x.chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -157,7 +136,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope_half(q, cos, sin), apply_rope_half(k, cos, sin)
         write_kv(k, v, planes[0], planes[1], meta.slot_mapping)
         o = paged_attention(
             q, planes[0], planes[1], meta, self.scale, sinks=self.sinks, sliding_window=self.sliding_window
@@ -248,9 +227,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: GptOssConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_in_fp32=True)
         self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_in_fp32=True)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, meta, planes):
@@ -263,7 +242,7 @@ class GptOssBackbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_in_fp32=True)
 
 
 class GptOssForCausalLM(nn.Module):

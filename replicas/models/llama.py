@@ -19,25 +19,11 @@ from torch import nn
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from replicas.kernels.static_decode import decode_attention, rope_kv_write
 from replicas.models.config import ModelConfig
+from replicas.models.layers import RMSNorm
 from replicas.models.loader import load_safetensors
 
 KVPlanes = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer ``(key_plane, value_plane)``, each ``[num_blocks, PAGE_SIZE, KVH, D]``."""
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 like transformers."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
