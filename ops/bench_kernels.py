@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--top", type=int, default=6, help="configurations printed per kernel family")
+    p.add_argument("--kernels", default="simt,mma,scaled,gemv",
+                   help="comma-separated kernel families to time: simt, mma, scaled, gemv, dense")
     args = p.parse_args(argv)
+    families = set(args.kernels.split(","))
     dev = torch.device("cuda")
     e, h, i, k, t = args.experts, args.hidden, args.inter, args.top_k, args.tokens
     gu_b = torch.randint(0, 256, (e, 2 * i, h // 32, 16), dtype=torch.uint8, device=dev)
@@ -72,34 +75,37 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     print(f"cuBLAS bf16 GEMV [{16 * i} x {h}] ({dense.numel() * 2 / 1e6:.1f} MB): {ms * 1e3:.1f} us, "
           f"{dense.numel() * 2 / ms / 1e6:.0f} GB/s")
     print(f"MoE: {t} token(s), {experts_used} experts read, {moved / 1e6:.1f} MB per call")
-    for bj, br, gt in itertools.product((8, 16), (4, 8), (8,)):
+    for bj, br, gt in itertools.product((8, 16), (4, 8), (8,)) if "simt" in families else ():
         def call(bj=bj, br=br, gt=gt):
             turn[0] += 1
             triton_moe(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias, 1.702, 7.0, residual=x,
                        block_j=bj, block_r=br, groups_per_tile=gt)
         ms = _time_ms(call)
         results.append((bj, br, gt, ms))
-    print("portable kernels (triton_moe), best configurations:")
+    if results:
+        print("portable kernels (triton_moe), best configurations:")
     for bj, br, gt, ms in sorted(results, key=lambda r: r[-1])[:args.top]:
-        print(f"  block_j={bj:2d} block_r={br:2d} groups/tile={gt}: {ms * 1e3:7.1f} us  "
+        print(f"    block_j={bj:2d} block_r={br:2d} groups/tile={gt}: {ms * 1e3:7.1f} us  "
               f"{moved / ms / 1e6:6.0f} GB/s")
     from replicas.kernels.triton_moe_mma import triton_moe_partials
 
     mma = []
-    for bj, br, splits, warps in itertools.product((16, 32), (16, 32), (3, 5, 8), (2,)):
+    for bj, br, splits, warps in itertools.product((16, 32), (16, 32), (3, 5, 8), (2,)) if "mma" in families else ():
         def call_mma(bj=bj, br=br, splits=splits, warps=warps):
             turn[0] += 1
             triton_moe_partials(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias,
                                 1.702, 7.0, block_j=bj, block_r=br, splits=splits, num_warps=warps)
         mma.append((bj, br, splits, warps, _time_ms(call_mma)))
-    print("tensor-core kernels (triton_moe_mma, 3 launches), best configurations:")
+    if mma:
+        print("tensor-core kernels (triton_moe_mma, 3 launches), best configurations:")
     for bj, br, splits, warps, ms in sorted(mma, key=lambda r: r[-1])[:args.top]:
-        print(f"  block_j={bj:2d} block_r={br:2d} splits={splits} warps={warps}: {ms * 1e3:7.1f} us  "
+        print(f"    block_j={bj:2d} block_r={br:2d} splits={splits} warps={warps}: {ms * 1e3:7.1f} us  "
               f"{moved / ms / 1e6:6.0f} GB/s")
     from replicas.kernels.triton_moe_scaled import triton_moe_scaled
 
     scaled = []
-    for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (2, 4), (2, 3, 4)):
+    for bn, bk, warps, stages in (itertools.product((16, 32, 64), (128, 256, 512), (2, 4), (2, 3, 4))
+                                  if "scaled" in families else ()):
         def call_scaled(bn=bn, bk=bk, warps=warps, stages=stages):
             turn[0] += 1
             triton_moe_scaled(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias,
@@ -108,11 +114,69 @@ def main(argv: list[str] | None = None) -> list[tuple]:
             scaled.append((bn, bk, warps, stages, _time_ms(call_scaled)))
         except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
             print(f"  dot_scaled block_n={bn} block_k={bk} warps={warps} stages={stages}: {type(exc).__name__}")
-    print("tl.dot_scaled kernels (triton_moe_scaled, 2 launches), best configurations:")
+    if scaled:
+        print("tl.dot_scaled kernels (triton_moe_scaled, 2 launches), best configurations:")
     for bn, bk, warps, stages, ms in sorted(scaled, key=lambda r: r[-1])[:args.top]:
-        print(f"  block_n={bn:2d} block_k={bk:3d} warps={warps} stages={stages}: {ms * 1e3:7.1f} us  "
+        print(f"    block_n={bn:2d} block_k={bk:3d} warps={warps} stages={stages}: {ms * 1e3:7.1f} us  "
               f"{moved / ms / 1e6:6.0f} GB/s")
-    return results + mma + scaled
+    from replicas.kernels.triton_moe_gemv import triton_moe_gemv
+
+    gemv = []
+    for bj, br, gb, warps in (itertools.product((1, 2, 4), (2, 4, 8), (16, 32), (1, 2, 4))
+                              if "gemv" in families else ()):
+        def call_gemv(bj=bj, br=br, gb=gb, warps=warps):
+            turn[0] += 1
+            triton_moe_gemv(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias,
+                            1.702, 7.0, block_j=bj, block_r=br, blocks_per_step=gb, num_warps=warps)
+        try:
+            gemv.append((bj, br, gb, warps, _time_ms(call_gemv)))
+        except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
+            print(f"  gemv block_j={bj} block_r={br} blocks/step={gb} warps={warps}: {type(exc).__name__}")
+    if gemv:
+        print("SIMT fp32 kernels (triton_moe_gemv, 2 launches), best configurations:")
+    for bj, br, gb, warps, ms in sorted(gemv, key=lambda r: r[-1])[:args.top]:
+        print(f"    block_j={bj} block_r={br:2d} blocks/step={gb} warps={warps}: {ms * 1e3:7.1f} us  "
+              f"{moved / ms / 1e6:6.0f} GB/s")
+    dense = _bench_dense(x) if "dense" in families else []
+    return results + mma + scaled + gemv + dense
+
+
+def _bench_dense(x: torch.Tensor) -> list[tuple]:
+    """The batch-one bf16 GEMV (``triton_gemv``) against cuBLAS (``F.linear``) at gpt-oss-120b's attention
+    projections and router; 8 weight copies rotated per call so that L2 never holds them."""
+    out = []
+    for name, n, k in (("qkv", 5120, 2880), ("o_proj", 2880, 4096), ("router", 128, 2880)):
+        out += [(name, *r) for r in _bench_dense_shape(name, n, k, x.device)]
+    return out
+
+
+def _bench_dense_shape(name: str, n: int, k: int, dev: torch.device) -> list[tuple]:
+    from replicas.kernels.triton_gemv import triton_gemv
+
+    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(8)]
+    b = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    xi = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    mb = n * k * 2 / 1e6
+    turn = [0]
+
+    def cublas():
+        turn[0] += 1
+        torch.nn.functional.linear(xi, ws[turn[0] % 8], b)
+    ms = _time_ms(cublas)
+    print(f"dense {name} [{n} x {k}] ({mb:.1f} MB): cuBLAS {ms * 1e3:6.1f} us {mb / ms:6.0f} GB/s")
+    rows = []
+    for bn, bk, warps in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)):
+        def gemv(bn=bn, bk=bk, warps=warps):
+            turn[0] += 1
+            triton_gemv(xi, ws[turn[0] % 8], b, block_n=bn, block_k=bk, num_warps=warps)
+        try:
+            rows.append((bn, bk, warps, _time_ms(gemv)))
+        except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
+            print(f"  gemv block_n={bn} block_k={bk} warps={warps}: {type(exc).__name__}")
+    for bn, bk, warps, ms in sorted(rows, key=lambda r: r[-1])[:4]:
+        print(f"    triton_gemv block_n={bn:2d} block_k={bk:4d} warps={warps}: {ms * 1e3:6.1f} us "
+              f"{mb / ms:6.0f} GB/s")
+    return rows
 
 
 if __name__ == "__main__":

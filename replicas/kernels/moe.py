@@ -2,7 +2,8 @@
 
 On CUDA with Triton, a few tokens (decode: the persistent lane's one token or
 a small standard-lane batch, up to :data:`GROUPED_MAX_TOKENS`) go through the
-packed-MXFP4 GEMV kernels of :mod:`replicas.kernels.triton_moe` and the top-k
+packed-MXFP4 GEMV kernels selected by :data:`MOE_KERNEL` (by default the exact
+fp32 SIMT kernels of :mod:`replicas.kernels.triton_moe_gemv`) and the top-k
 kernel of :mod:`replicas.kernels.triton_router`; everything else (CPU, prefill)
 uses :func:`moe_reference`, which dequantizes each routed expert once and runs
 dense GEMMs (the same math as transformers' ``GptOssExperts``).
@@ -20,22 +21,25 @@ from replicas.kernels.triton_loader import lazy_kernel
 GROUPED_MAX_TOKENS = 16
 """Above this many tokens, dequantize-then-GEMM beats re-reading packed experts per (token, expert) pair."""
 
-MOE_KERNEL = os.environ.get("PERSISTENT_SERVE_MOE_KERNEL", "mma")
-"""Decode MoE kernels on CUDA: ``scaled`` — ``tl.dot_scaled`` (:mod:`replicas.kernels.triton_moe_scaled`);
-``mma`` — our inline-PTX E2M1 decoding + ``tl.dot`` (:mod:`replicas.kernels.triton_moe_mma`, NVIDIA only);
-``simt`` — the portable scalar kernels of :mod:`replicas.kernels.triton_moe`. Environment
+MOE_KERNEL = os.environ.get("PERSISTENT_SERVE_MOE_KERNEL", "gemv")
+"""Decode MoE kernels on CUDA: ``gemv`` — inline-PTX E2M1 decoding straight to fp32, exact fp32 sums
+on the SIMT cores (:mod:`replicas.kernels.triton_moe_gemv`, NVIDIA only; the fastest on an H200);
+``mma`` — inline-PTX decoding to fp16 + ``tl.dot`` (:mod:`replicas.kernels.triton_moe_mma`);
+``scaled`` — ``tl.dot_scaled`` (:mod:`replicas.kernels.triton_moe_scaled`); ``simt`` — the portable
+scalar kernels of :mod:`replicas.kernels.triton_moe` (also used on ROCm). Environment
 ``PERSISTENT_SERVE_MOE_KERNEL`` selects one; ``python -m ops.bench_kernels`` compares them."""
 
-_PARTIALS = {"scaled": ("replicas.kernels.triton_moe_scaled", "triton_moe_scaled"),
+_PARTIALS = {"gemv": ("replicas.kernels.triton_moe_gemv", "triton_moe_gemv"),
+             "scaled": ("replicas.kernels.triton_moe_scaled", "triton_moe_scaled"),
              "mma": ("replicas.kernels.triton_moe_mma", "triton_moe_partials")}
 
 
-def _mma_kernel(x: torch.Tensor):
-    """The tensor-core MoE kernel (per-expert partials) when it applies to ``x`` (CUDA on NVIDIA, few
-    tokens, half-precision activations — the tensor-core paths round activations to bf16/fp16, so fp32
-    models keep the exact scalar kernels — and ``MOE_KERNEL`` not ``simt``), else None."""
-    if (MOE_KERNEL not in _PARTIALS or not x.is_cuda or torch.version.hip or x.dtype == torch.float32
-            or x.shape[0] > GROUPED_MAX_TOKENS):
+def _partials_kernel(x: torch.Tensor):
+    """The per-expert-partials MoE kernel of :data:`MOE_KERNEL` when it applies to ``x`` (CUDA on NVIDIA,
+    few tokens; for ``mma``/``scaled`` half-precision activations only — the tensor-core paths round
+    activations to bf16/fp16, so fp32 models keep exact kernels), else None."""
+    if (MOE_KERNEL not in _PARTIALS or not x.is_cuda or torch.version.hip or x.shape[0] > GROUPED_MAX_TOKENS
+            or (x.dtype == torch.float32 and MOE_KERNEL != "gemv")):
         return None
     return lazy_kernel(*_PARTIALS[MOE_KERNEL])
 
@@ -50,13 +54,13 @@ def moe_add_rmsnorm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
     """The MoE layer, its residual add and the next RMSNorm: ``(x_new, norm(x_new))`` with
     ``x_new = residual + moe(x)`` ``[T, hidden]``.
 
-    On NVIDIA GPUs two tensor-core launches write per-expert partials and one add+RMSNorm launch sums
-    them (fixed order, no atomics); elsewhere :func:`moe` then
+    On NVIDIA GPUs two launches write per-expert partials and one add+RMSNorm launch sums them (fixed
+    order, no atomics); elsewhere :func:`moe` then
     :func:`~replicas.kernels.static_decode.add_rmsnorm`.
     """
     from replicas.kernels.static_decode import add_rmsnorm
 
-    kernel = _mma_kernel(x)
+    kernel = _partials_kernel(x)
     if kernel is not None:
         return add_rmsnorm(residual, kernel(x, weights, ids, *_packed(experts)), norm, weight_in_fp32)
     return add_rmsnorm(moe(x, weights, ids, experts, residual=residual), None, norm, weight_in_fp32)
@@ -67,7 +71,9 @@ def route(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     ``router`` has ``weight [E, hidden]``, ``bias [E]``, ``top_k`` (GPT-OSS's ``Router``).
     """
-    logits = F.linear(x, router.weight, router.bias)  # [T, E]
+    from replicas.kernels.static_decode import linear
+
+    logits = linear(x, router.weight, router.bias)  # [T, E]
     kernel = lazy_kernel("replicas.kernels.triton_router", "triton_router_topk") if x.is_cuda else None
     if kernel is not None:
         return kernel(logits, router.top_k, x.dtype)
@@ -87,7 +93,7 @@ def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, resi
     ``experts`` is GPT-OSS's ``Experts`` module (packed ``*_blocks``/``*_scales``, biases, ``alpha``,
     ``limit``). Triton kernels on CUDA for ``T <= GROUPED_MAX_TOKENS``, else :func:`moe_reference`.
     """
-    mma = _mma_kernel(x)
+    mma = _partials_kernel(x)
     if mma is not None:
         out = mma(x, weights, ids, *_packed(experts)).sum(1)
         return (out if residual is None else residual.float() + out).to(x.dtype)
@@ -102,10 +108,16 @@ def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exp
     """Torch reference: each routed expert dequantized once (to ``x.dtype``) and applied to its tokens.
 
     Experts are visited in increasing id and accumulated in ``x.dtype``, as transformers'
-    ``GptOssExperts.forward``. Syncs with the host (``torch.unique``): not capturable.
+    ``GptOssExperts.forward``. Syncs with the host (``torch.unique``): not capturable. On a GPU the
+    dequantization is one Triton launch per matrix
+    (:func:`~replicas.kernels.triton_mxfp4.triton_dequantize_mxfp4`, exact like
+    :func:`~replicas.models.mxfp4.dequantize_mxfp4`, which the CPU uses): the prefill path.
     """
     from replicas.models.gpt_oss import clamped_swiglu
     from replicas.models.mxfp4 import dequantize_mxfp4
+
+    if x.is_cuda:
+        dequantize_mxfp4 = lazy_kernel("replicas.kernels.triton_mxfp4", "triton_dequantize_mxfp4") or dequantize_mxfp4
 
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():

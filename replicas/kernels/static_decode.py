@@ -113,6 +113,17 @@ def rope_kv_write(attn, x, cos_table, sin_table, position, block_table, key_plan
     return q
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; one bf16/fp16 row on a GPU goes through the batch-one Triton GEMV
+    (:func:`replicas.kernels.triton_gemv.triton_gemv`), everything else (fp32, batches, CPU) through
+    torch. ``x`` ``[T, K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` → ``[T, N]``."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
+        kernel = lazy_kernel("replicas.kernels.triton_gemv", "triton_gemv")
+        if kernel is not None:
+            return kernel(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, norm, weight_in_fp32: bool):
     """``(x + delta, norm(x + delta))`` for ``[T, hidden]`` rows; ``norm`` has ``weight`` and ``eps``.
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from replicas.kernels.moe import moe, moe_add_rmsnorm, moe_reference, route
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
-from replicas.kernels.static_decode import add_rmsnorm, decode_attention, rope_kv_write
+from replicas.kernels.static_decode import add_rmsnorm, decode_attention, linear, rope_kv_write
 from replicas.models.gpt_oss_config import GptOssConfig, YarnScaling
 from replicas.models.layers import RMSNorm, apply_rope_half
 from replicas.models.loader import load_safetensors
@@ -129,7 +129,7 @@ class Attention(nn.Module):
         fused = self._qkv
         if fused is None or fused[0].data_ptr() != self.q_proj.weight.data_ptr():
             return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        return F.linear(x, fused[0], fused[1])
+        return linear(x, fused[0], fused[1])
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, planes: tuple[torch.Tensor, torch.Tensor]):
         t = x.shape[0]
@@ -293,10 +293,11 @@ class GptOssForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """One greedy-decode step with static shapes and no host sync (CUDA-graph capturable).
 
-        Per layer on CUDA: RMSNorm, fused qkv GEMM, RoPE + KV write (1 Triton launch), split-K
-        attention with sinks/window (2), o_proj GEMM, residual add + RMSNorm (1), router GEMM,
-        top-k softmax (1), MXFP4 gate_up + SwiGLU (1), MXFP4 down per expert (1); the experts' sum, the
-        residual add and the next layer's RMSNorm are one more launch.
+        Per layer on CUDA: fused qkv GEMV (1 launch at batch one in bf16/fp16: :func:`linear`), RoPE +
+        KV write (1 Triton launch), split-K attention with sinks/window (2), o_proj GEMV (1), residual
+        add + RMSNorm (1), router GEMV (1), top-k softmax (1), MXFP4 gate_up + SwiGLU (1), MXFP4 down
+        per expert (1); the experts' sum, the residual add and the next layer's RMSNorm are one more
+        launch.
         Torch references of the same kernels on CPU. Call under ``torch.inference_mode()``.
 
         Args:
@@ -317,7 +318,8 @@ class GptOssForCausalLM(nn.Module):
             q = rope_kv_write(attn, h, self.rope_cos, self.rope_sin, position, block_table, kp, vp)  # [1, H, D]
             o = decode_attention(q, kp, vp, block_table, context_len, attn.scale, sinks=attn.sinks,
                                  sliding_window=attn.sliding_window, workspace=self._decode_workspace)
-            x, h = add_rmsnorm(x, attn.o_proj(o.reshape(x.shape[0], -1)), layer.post_attention_layernorm, True)
+            o = linear(o.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
+            x, h = add_rmsnorm(x, o, layer.post_attention_layernorm, True)
             weights, ids = route(layer.mlp.router, h)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, h = moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True)

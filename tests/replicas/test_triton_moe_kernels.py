@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 from replicas.kernels.moe import moe_reference, router_topk_reference  # noqa: E402
 from replicas.kernels.static_decode import add_rmsnorm_reference  # noqa: E402
 from replicas.kernels.triton_moe import triton_moe  # noqa: E402
+from replicas.kernels.triton_moe_gemv import triton_moe_gemv  # noqa: E402
 from replicas.kernels.triton_rmsnorm import triton_add_rmsnorm  # noqa: E402
 from replicas.kernels.triton_router import triton_router_topk  # noqa: E402
 
@@ -62,6 +63,27 @@ def test_mxfp4_moe_matches_dequantized_reference(tokens, k, with_residual):
         ref = ref + residual
     assert ref.abs().max() > 1.0  # a real signal, not zeros
     assert _rel_err(ours, ref) < 1e-5
+
+
+@pytest.mark.parametrize("tokens,k,blocks_per_step", [(1, 4, 2), (3, 2, 4), (2, 1, 16)])
+def test_simt_fp32_moe_matches_dequantized_reference(tokens, k, blocks_per_step):
+    """The exact-fp32 SIMT kernels with their plain-Triton E2M1 decoding (the inline PTX runs on the GPU,
+    ``tests/gpu``): per-expert weighted partials that sum to the reference; several K steps, a masked last
+    step (3 blocks in steps of 2), one step larger than the row (16 > 3)."""
+    hidden, inter, e = 96, 64, 8
+    experts = RandomExperts(e, hidden, inter, seed=tokens * 7 + k)
+    g = torch.Generator().manual_seed(k + 5)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.softmax(torch.randn(tokens, k, generator=g), -1).to(DEVICE)
+    parts = triton_moe_gemv(x, weights, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales,
+                            experts.gate_up_proj_bias, experts.down_proj_blocks, experts.down_proj_scales,
+                            experts.down_proj_bias, experts.alpha, experts.limit, block_j=2, block_r=4,
+                            blocks_per_step=blocks_per_step, num_warps=1, ptx=torch.cuda.is_available())
+    assert parts.shape == (tokens, k, hidden)
+    ref = moe_reference(x, weights, ids, experts)
+    assert ref.abs().max() > 1
+    assert _rel_err(parts.sum(1), ref) < 1e-5
 
 
 @pytest.mark.parametrize("tokens,block_k", [(1, 64), (2, 32)])
@@ -118,3 +140,17 @@ def test_add_rmsnorm_sums_fp32_partials_in_order():
     torch.testing.assert_close(x_new, x + parts.sum(1), rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(x_new, x_ref)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_dequantize_matches_torch_exactly(dtype):
+    """Every code, scales from 2**-20 to 2**20, a block count that is not a multiple of the tile."""
+    from replicas.kernels.triton_mxfp4 import triton_dequantize_mxfp4
+    from replicas.models.mxfp4 import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(11)
+    blocks = torch.randint(0, 256, (3, 37, 5, 16), generator=g, dtype=torch.uint8).to(DEVICE)
+    scales = torch.randint(107, 148, (3, 37, 5), generator=g, dtype=torch.uint8).to(DEVICE)
+    ours = triton_dequantize_mxfp4(blocks, scales, dtype, ptx=torch.cuda.is_available())
+    assert ours.shape == (3, 37, 160) and ours.dtype == dtype
+    assert torch.equal(ours, dequantize_mxfp4(blocks, scales, dtype))

@@ -1,0 +1,81 @@
+"""Triton kernel: batch-one dense GEMV ``y = W x + b`` (bf16/fp16 weights, fp32 sums).
+
+Why not cuBLAS: at one token, GPT-OSS's attention projections (qkv 2880 →
+5120, o 4096 → 2880) and router (2880 → 128) are small enough that cuBLAS's
+choices leave bandwidth unused: on an H200 its qkv GEMV ran at ~2.8 TB/s, the
+o projection took a split-K kernel plus a reduce launch, and the 0.7 MB router
+took a split-K kernel plus a reduce as well (``docs/benchmarks.md``, profile
+of the gpt-oss-120b shape). Here one launch reads each weight row once, every
+thread issuing its next 16-byte loads before the current step's arithmetic
+(a batch-one GEMV has nothing else to hide DRAM latency with), sums in fp32,
+adds the bias and rounds once.
+
+Reference: ``torch.nn.functional.linear`` (the same math; fp32 summation order
+differs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
+                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Grid ``(cdiv(N, BN),)``: ``y[n] = sum_k W[n, k] x[k] (+ b[n])`` for ``BN`` rows, ``BK`` columns a step."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    k = tl.arange(0, BK)
+    NS: tl.constexpr = (K + BK - 1) // BK
+    w = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+    x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+    for i in tl.static_range(NS):
+        if i + 1 < NS:
+            kn = (i + 1) * BK + k
+            w_next = tl.load(rows + kn[None, :], mask=n_ok[:, None] & (kn < K)[None, :], other=0.0)
+            x_next = tl.load(x_ptr + kn, mask=kn < K, other=0.0)
+        part = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if i == 0:
+            acc = part
+        else:
+            acc += part
+        if i + 1 < NS:
+            w, x = w_next, x_next
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                block_n: int = 4, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for one row: ``x`` ``[1, K]``, ``weight`` ``[N, K]`` (unit stride along
+    K), ``bias`` ``[N]`` or None → ``[1, N]`` in ``x.dtype``, summed in fp32.
+
+    Tile defaults (``block_k``/``num_warps`` None): the fastest of ``python -m ops.bench_kernels
+    --kernels dense`` on an H200 at gpt-oss-120b's shapes: 256 columns and 4 warps for the qkv and o
+    projections (9.4 and 8.2 us: 3.1 and 2.9 TB/s), 512 columns and 8 warps for narrow outputs such as the
+    router (N = 128: 2.1 us, where cuBLAS took 6.1 us).
+
+    Raises:
+        ValueError: ``x`` is not one row, or the shapes do not match.
+    """
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"triton_gemv: expected x [1, K] and weight [N, K], got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}")
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    n, k = weight.shape
+    narrow = n <= 256
+    block_k = block_k or (512 if narrow else 256)
+    num_warps = num_warps or (8 if narrow else 4)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x.contiguous(), weight, bias if bias is not None else weight, y, n, weight.stride(0),
+        K=k, BN=block_n, BK=min(block_k, triton.next_power_of_2(k)), HAS_BIAS=bias is not None,
+        num_warps=num_warps,
+    )
+    return y

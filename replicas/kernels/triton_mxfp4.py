@@ -1,0 +1,62 @@
+"""Triton kernel: MXFP4 → bf16/fp16/fp32 dequantization in one pass (GPT-OSS prefill experts).
+
+The prefill path (:func:`replicas.kernels.moe.moe_reference`) dequantizes each
+routed expert once and runs dense GEMMs. In torch that is a lookup, a stack, an
+``ldexp`` and a cast, each a full pass over the expert (about ten passes of
+bf16 traffic). Here one launch reads the packed bytes and scales and writes the
+values: E2M1 codes become fp32 bit patterns (the E2M1 value times ``2**-126``,
+see :mod:`replicas.kernels.triton_moe_gemv`), then one multiply by the exact
+power of two ``2**(s - 127 + 126)``, split as ``2**63 * 2**(s - 64)`` so that
+neither factor overflows fp32. Exact, like the torch reference
+(:func:`replicas.models.mxfp4.dequantize_mxfp4`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replicas.kernels.triton_moe_gemv import _e2m1_bits
+from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
+
+
+@triton.jit
+def _dequant_kernel(b_ptr, s_ptr, out_ptr, NB, BLOCKS: tl.constexpr, PTX: tl.constexpr):
+    """Grid ``(cdiv(NB, BLOCKS),)`` over the ``NB`` 32-value blocks: ``out[blk, 0:32]`` in ``out``'s dtype."""
+    blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    ok = blk < NB
+    c = tl.arange(0, 16)
+    b = tl.load(b_ptr + blk.to(tl.int64)[:, None] * 16 + c[None, :], mask=ok[:, None], other=0)
+    s = tl.load(s_ptr + blk, mask=ok, other=127).to(tl.int32)
+    lo, hi = _e2m1_bits(b, PTX)
+    scale = ((s + (127 - 64)) << 23).to(tl.float32, bitcast=True)[:, None]  # 2**(s-64)
+    lo = (lo * 9223372036854775808.0) * scale  # (v * 2**-126 * 2**63) * 2**(s-64), in this order: no overflow
+    hi = (hi * 9223372036854775808.0) * scale
+    vals = tl.reshape(tl.join(lo, hi), [BLOCKS, 32])  # elements 2j, 2j+1
+    tl.store(out_ptr + blk.to(tl.int64)[:, None] * 32 + tl.arange(0, 32)[None, :],
+             vals.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+def triton_dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
+                            dtype: torch.dtype = torch.bfloat16, ptx: bool | None = None) -> torch.Tensor:
+    """``dequantize_mxfp4`` in one launch: uint8 ``blocks`` ``[..., rows, G, 16]`` and ``scales``
+    ``[..., rows, G]`` → ``[..., rows, G * 32]`` in ``dtype`` (exact).
+
+    ``ptx``: inline-PTX decoding (default on CUDA; Triton's CPU interpreter needs False).
+
+    Raises:
+        ValueError: not uint8, not contiguous, or the shapes do not pair up.
+    """
+    if (blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1] != BYTES_PER_BLOCK
+            or blocks.shape[:-1] != scales.shape or not blocks.is_contiguous() or not scales.is_contiguous()):
+        raise ValueError(f"expected contiguous uint8 blocks [..., G, {BYTES_PER_BLOCK}] and scales [..., G], got "
+                         f"{blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    if ptx is None:
+        ptx = blocks.is_cuda and not torch.version.hip
+    out = torch.empty(*scales.shape[:-1], scales.shape[-1] * BLOCK_SIZE, dtype=dtype, device=blocks.device)
+    nb = scales.numel()
+    per_program = 64
+    _dequant_kernel[(triton.cdiv(nb, per_program),)](blocks, scales, out, nb, BLOCKS=per_program, PTX=ptx,
+                                                      num_warps=4)
+    return out
