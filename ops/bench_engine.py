@@ -476,6 +476,7 @@ KERNEL_CLASSES = (
     ("RoPE + KV write", ("_rope_kv",)),
     ("add + RMSNorm", ("_add_rmsnorm", "rms", "red_fused")),
     ("router top-k", ("_router_topk",)),
+    ("dense GEMV (Triton)", ("_gemv_kernel",)),
     ("GEMV/GEMM (cuBLAS)", ("gemv", "gemm", "sm90", "cutlass", "xmma", "splitK", "Kernel2")),
     ("argmax / stop check", ("argmax", "arg_max", "reduce_kernel")),
 )
