@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--top", type=int, default=6, help="configurations printed per kernel family")
     p.add_argument("--kernels", default="simt,mma,scaled,gemv",
-                   help="comma-separated kernel families to time: simt, mma, scaled, gemv, dense")
+                   help="comma-separated kernel families to time: simt, mma, scaled, gemv, dense, attention")
     args = p.parse_args(argv)
     families = set(args.kernels.split(","))
     dev = torch.device("cuda")
@@ -122,23 +122,52 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     from replicas.kernels.triton_moe_gemv import triton_moe_gemv
 
     gemv = []
-    for bj, br, gb, warps in (itertools.product((1, 2, 4), (2, 4, 8), (16, 32), (1, 2, 4))
-                              if "gemv" in families else ()):
-        def call_gemv(bj=bj, br=br, gb=gb, warps=warps):
+    for bj, br, gb, warps, depth in (itertools.product((2, 4, 8), (4, 8, 16), (8, 16, 32), (2, 4), (1, 2))
+                                     if "gemv" in families else ()):
+        def call_gemv(bj=bj, br=br, gb=gb, warps=warps, depth=depth):
             turn[0] += 1
             triton_moe_gemv(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias,
-                            1.702, 7.0, block_j=bj, block_r=br, blocks_per_step=gb, num_warps=warps)
+                            1.702, 7.0, block_j=bj, block_r=br, blocks_per_step=gb, num_warps=warps,
+                            prefetch=depth)
         try:
-            gemv.append((bj, br, gb, warps, _time_ms(call_gemv)))
+            gemv.append((bj, br, gb, warps, depth, _time_ms(call_gemv)))
         except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
-            print(f"  gemv block_j={bj} block_r={br} blocks/step={gb} warps={warps}: {type(exc).__name__}")
+            print(f"  gemv block_j={bj} block_r={br} blocks/step={gb} warps={warps} prefetch={depth}: "
+                  f"{type(exc).__name__}")
     if gemv:
         print("SIMT fp32 kernels (triton_moe_gemv, 2 launches), best configurations:")
-    for bj, br, gb, warps, ms in sorted(gemv, key=lambda r: r[-1])[:args.top]:
-        print(f"    block_j={bj} block_r={br:2d} blocks/step={gb} warps={warps}: {ms * 1e3:7.1f} us  "
-              f"{moved / ms / 1e6:6.0f} GB/s")
+    for bj, br, gb, warps, depth, ms in sorted(gemv, key=lambda r: r[-1])[:args.top]:
+        print(f"    block_j={bj} block_r={br:2d} blocks/step={gb:2d} warps={warps} prefetch={depth}: "
+              f"{ms * 1e3:7.1f} us  {moved / ms / 1e6:6.0f} GB/s")
     dense = _bench_dense(x) if "dense" in families else []
-    return results + mma + scaled + gemv + dense
+    attention = _bench_attention(dev) if "attention" in families else []
+    return results + mma + scaled + gemv + dense + attention
+
+
+def _bench_attention(dev: torch.device) -> list[tuple]:
+    """Split-K decode attention (split + merge launches) at gpt-oss-120b's attention shape (64 query heads,
+    8 KV heads, head dim 64, sinks), full context and a 128-token window, per split count."""
+    from replicas.kernels.paged_attention import PAGE_SIZE
+    from replicas.kernels.triton_decode_attention import triton_decode_attention
+
+    heads, kvh, d, blocks = 64, 8, 64, 512
+    kp = torch.randn(blocks, PAGE_SIZE, kvh, d, device=dev, dtype=torch.bfloat16)
+    vp = torch.randn_like(kp)
+    q = torch.randn(1, heads, d, device=dev, dtype=torch.bfloat16)
+    sinks = torch.randn(heads, device=dev)
+    table = torch.randperm(blocks, device=dev)[:256].view(1, -1)
+    out = []
+    for ctx in (1152, 4096):
+        lens = torch.tensor([ctx], device=dev)
+        for window in (None, 128):
+            for splits in (8, 16, 32, 64):
+                ws: dict = {}
+                ms = _time_ms(lambda splits=splits, window=window, ws=ws, lens=lens: triton_decode_attention(
+                    q, kp, vp, table, lens, 0.125, sinks=sinks, sliding_window=window, num_splits=splits,
+                    workspace=ws))
+                print(f"attention ctx={ctx} window={window} splits={splits:2d}: {ms * 1e3:6.1f} us")
+                out.append((ctx, window, splits, ms))
+    return out
 
 
 def _bench_dense(x: torch.Tensor) -> list[tuple]:

@@ -61,13 +61,13 @@ def _split_kernel(
         page = tl.load(table_ptr + pos // PAGE, mask=valid, other=0)
         addr = page * stride_kb + (pos % PAGE) * stride_kt + kvh * stride_kh
         k = tl.load(k_ptr + addr[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + addr[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)  # with k: one wait
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [GP, BLOCK]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        v = tl.load(v_ptr + addr[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -82,36 +82,30 @@ def _merge_kernel(
     part_m_ptr, part_l_ptr, part_o_ptr, sinks_ptr, out_ptr, num_splits, num_kvh,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLITS_P: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
+    """Grid ``(KVH, G, B)``: one query head per program; all its splits' partials loaded at once (one
+    round trip to memory instead of one per split)."""
     kvh = tl.program_id(0)
-    seq = tl.program_id(1)
-    out_ptr += seq * num_kvh * G * D
-    base = (seq * num_kvh + kvh) * num_splits
+    g = tl.program_id(1)
+    seq = tl.program_id(2)
     offs_s = tl.arange(0, SPLITS_P)
-    offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     s_mask = offs_s < num_splits
-    rows = (base + offs_s)[:, None] * GP + offs_g[None, :]  # [S, GP]
-    m = tl.load(part_m_ptr + rows, mask=s_mask[:, None], other=float("-inf"))
-    den = tl.load(part_l_ptr + rows, mask=s_mask[:, None], other=0.0)
-    m_all = tl.max(m, 0)  # [GP]
+    rows = ((seq * num_kvh + kvh) * num_splits + offs_s) * GP + g  # [S]
+    m = tl.load(part_m_ptr + rows, mask=s_mask, other=float("-inf"))
+    den = tl.load(part_l_ptr + rows, mask=s_mask, other=0.0)
+    o = tl.load(part_o_ptr + rows[:, None] * D + offs_d[None, :], mask=s_mask[:, None], other=0.0)  # [S, D]
+    m_all = tl.max(m, 0)
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + kvh * G + offs_g, mask=offs_g < G, other=float("-inf")).to(tl.float32)
+        sink = tl.load(sinks_ptr + kvh * G + g).to(tl.float32)
         m_all = tl.maximum(m_all, sink)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w = tl.exp(m - m_safe[None, :])  # [S, GP]
+    w = tl.exp(m - m_safe)  # [S]
     denom = tl.sum(den * w, 0)
     if HAS_SINKS:
         denom += tl.exp(sink - m_safe)
-    acc = tl.zeros([GP, D], tl.float32)
-    for s in range(0, num_splits):
-        row = (base + s) * GP + offs_g
-        ms = tl.load(part_m_ptr + row)
-        o = tl.load(part_o_ptr + row[:, None] * D + offs_d[None, :])
-        acc += o * tl.exp(ms - m_safe)[:, None]
-    out = tl.where(denom[:, None] > 0, acc / denom[:, None], 0.0)  # a padding row (no keys) gives 0
-    g_mask = offs_g < G
-    tl.store(out_ptr + (kvh * G + offs_g)[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=g_mask[:, None])
+    acc = tl.sum(o * w[:, None], 0)  # [D]
+    out = tl.where(denom > 0, acc / denom, 0.0)  # a padding row (no keys) gives 0
+    tl.store(out_ptr + (seq * num_kvh * G + kvh * G + g) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def triton_decode_attention(
@@ -156,7 +150,7 @@ def triton_decode_attention(
         G=group, GP=gp, D=head_dim, PAGE=PAGE_SIZE, BLOCK=TOKENS_PER_ITER, HAS_WINDOW=sliding_window is not None,
         PRECISION="ieee" if query.dtype == torch.float32 else None,
     )
-    _merge_kernel[(kvh, batch)](
+    _merge_kernel[(kvh, group, batch)](
         ws["m"], ws["l"], ws["o"], sinks if sinks is not None else q, out, num_splits, kvh,
         G=group, GP=gp, D=head_dim, SPLITS_P=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
     )
