@@ -1,13 +1,19 @@
-"""Kernel micro-benchmark: the MXFP4 MoE GEMV against the HBM bandwidth, per tile configuration.
+"""Kernel micro-benchmarks on an NVIDIA GPU: decode kernels against the HBM bandwidth, per tile configuration.
 
-At gpt-oss-120b's expert shape (hidden 2880, expert width 2880, 128 experts,
-top-4), one decode token's MoE reads 4 experts' packed gate_up and down
-matrices (4 x 13.2 MB). This times :func:`~replicas.kernels.triton_moe.triton_moe`
-(both launches) with CUDA events over many calls, for a few tile sizes and
-both E2M1 decodings, and a cuBLAS bf16 GEMV of a 33 MB matrix as the
-achievable-bandwidth yardstick. Prints GB/s per configuration.
+Families (``--kernels``, comma-separated; default: all):
 
-Usage (GPU): ``python -m ops.bench_kernels``.
+- ``simt``, ``mma``, ``scaled``, ``gemv``: the MXFP4 MoE GEMV variants at gpt-oss-120b's expert shape
+  (hidden 2880, expert width 2880, 128 experts, top-4: one decode token reads 4 experts' packed gate_up
+  and down matrices, 52.9 MB), 16 expert sets rotated so that L2 never holds the weights;
+- ``dense``: the batch-one bf16 GEMV (:mod:`replicas.kernels.triton_gemv`) against cuBLAS at the
+  attention projections' and the router's shapes;
+- ``attention``: split-K decode attention (split + merge) at gpt-oss-120b's attention shape, per split
+  count, full context and a 128-token window.
+
+Each call is captured many times in one CUDA graph and timed with CUDA events; a cuBLAS bf16 GEMV of
+265 MB is printed first as the achievable-bandwidth yardstick.
+
+Usage (GPU): ``python -m ops.bench_kernels [--kernels gemv,dense,attention]``.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--top", type=int, default=6, help="configurations printed per kernel family")
-    p.add_argument("--kernels", default="simt,mma,scaled,gemv",
+    p.add_argument("--kernels", default="simt,mma,scaled,gemv,dense,attention",
                    help="comma-separated kernel families to time: simt, mma, scaled, gemv, dense, attention")
     args = p.parse_args(argv)
     families = set(args.kernels.split(","))
