@@ -30,7 +30,7 @@ TOKENS_PER_ITER = 64
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
-    scale, stride_kb, stride_kt, stride_kh, num_splits, window, stride_tb, num_kvh,
+    scale, stride_kb, stride_kt, stride_kh, num_splits, window, stride_tb, num_kvh, stride_ctx,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -44,7 +44,7 @@ def _split_kernel(
     q_ptr += seq * num_kvh * G * D
     table_ptr += seq * stride_tb
     q = tl.load(q_ptr + (kvh * G + offs_g)[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-    ctx = tl.load(ctx_ptr + seq)  # 0 for a padding row of a CUDA-graph batch: nothing is read
+    ctx = tl.load(ctx_ptr + seq * stride_ctx)  # 0 for a padding row of a CUDA-graph batch: nothing is read
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0)
@@ -146,7 +146,7 @@ def triton_decode_attention(
     _split_kernel[(kvh, num_splits, batch)](
         q, key_plane, value_plane, block_table, context_len, ws["m"], ws["l"], ws["o"],
         scale, key_plane.stride(0), key_plane.stride(1), key_plane.stride(2), num_splits,
-        sliding_window or 0, block_table.stride(0), kvh,
+        sliding_window or 0, block_table.stride(0), kvh, context_len.stride(0),
         G=group, GP=gp, D=head_dim, PAGE=PAGE_SIZE, BLOCK=TOKENS_PER_ITER, HAS_WINDOW=sliding_window is not None,
         PRECISION="ieee" if query.dtype == torch.float32 else None,
     )

@@ -19,7 +19,7 @@ from replicas.kernels.paged_attention import PAGE_SIZE
 @triton.jit
 def _rope_kv_kernel(
     qkv_ptr, cos_ptr, sin_ptr, pos_ptr, table_ptr, q_out_ptr, k_ptr, v_ptr,
-    stride_cos, stride_kb, stride_kt, stride_kh, stride_tb,
+    stride_cos, stride_kb, stride_kt, stride_kh, stride_tb, stride_pos,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
 ):
     h = tl.program_id(0)
@@ -27,7 +27,7 @@ def _rope_kv_kernel(
     qkv_ptr += seq * (H + 2 * KVH) * D
     q_out_ptr += seq * H * D
     table_ptr += seq * stride_tb
-    pos = tl.load(pos_ptr + seq)  # -1 marks a padding row of a CUDA-graph batch: nothing is written
+    pos = tl.load(pos_ptr + seq * stride_pos)  # -1 marks a padding row of a CUDA-graph batch: nothing is written
     offs = tl.arange(0, HALF)
     x1 = tl.load(qkv_ptr + h * D + offs).to(tl.float32)
     x2 = tl.load(qkv_ptr + h * D + HALF + offs).to(tl.float32)
@@ -60,7 +60,8 @@ def triton_rope_kv(
         qkv: ``[B, (H + 2 KVH) * D]`` output of the fused projection (contiguous).
         cos, sin: ``[max_positions, D]`` RoPE tables (halves repeated, HF Llama layout) or
             ``[max_positions, D / 2]`` (HF GPT-OSS layout); only the first ``D / 2`` columns are read.
-        position: ``[B]`` int64 on the device (-1: a padding row, nothing written);
+        position: ``[B]`` int64 on the device, any stride (a column of the CUDA-graph staging buffer; -1:
+            a padding row, nothing written);
             block_table: ``[B, max_blocks]`` (or ``[max_blocks]`` for ``B = 1``) int64.
         key_plane, value_plane: ``[num_blocks, PAGE_SIZE, KVH, D]``.
 
@@ -74,7 +75,7 @@ def triton_rope_kv(
     _rope_kv_kernel[(num_heads + 2 * num_kv_heads, batch)](
         qkv.contiguous(), cos, sin, position, block_table, q, key_plane, value_plane,
         cos.stride(0), key_plane.stride(0), key_plane.stride(1), key_plane.stride(2), block_table.stride(0),
-        H=num_heads, KVH=num_kv_heads, D=head_dim, HALF=head_dim // 2, PAGE=PAGE_SIZE,
+        position.stride(0), H=num_heads, KVH=num_kv_heads, D=head_dim, HALF=head_dim // 2, PAGE=PAGE_SIZE,
     )
     return q
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replicas.kernels.moe import moe, moe_add_rmsnorm, moe_reference, route
+from replicas.kernels.moe import GROUPED_MAX_TOKENS, moe, moe_add_rmsnorm, moe_reference, route
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from replicas.kernels.static_decode import add_rmsnorm, decode_attention, linear, rope_kv_write
 from replicas.models.gpt_oss_config import GptOssConfig, YarnScaling
@@ -276,11 +276,12 @@ class GptOssForCausalLM(nn.Module):
     compile_decode_step = False
     """The decode step is already our fused kernels plus cuBLAS GEMVs; Inductor has nothing left to fuse."""
 
-    max_decode_graph_batch = 0
-    """Standard-lane decode CUDA graphs are off for GPT-OSS: on the H200 its graphed batched steps gave
-    different greedy tokens than the persistent lane (0/20 prompts identical, 2026-11-30) although the
-    same batched step matches the eager forward under Triton's CPU interpreter; not yet understood.
-    (Were it on, the limit would be ``GROUPED_MAX_TOKENS``: above it the MoE synchronizes with the host.)"""
+    max_decode_graph_batch = GROUPED_MAX_TOKENS
+    """Standard-lane decode CUDA graphs up to ``GROUPED_MAX_TOKENS`` sequences: above it the MoE
+    dequantizes the routed experts (a host sync, not capturable). They were off until 2026-11-30: the
+    graphs' staging buffer passes positions as a strided column, and the RoPE/KV-write kernel read them
+    as if contiguous, so rows 1.. of a graphed batch were rotated and cached at wrong positions (0/20
+    prompts matched the persistent lane on the H200)."""
 
     def fuse_qkv(self) -> GptOssForCausalLM:
         """Fuse every layer's q/k/v projections (:meth:`Attention.fuse_qkv`); returns ``self``."""

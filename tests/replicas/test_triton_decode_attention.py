@@ -63,3 +63,24 @@ def test_bf16_within_bf16_expectations():
     want = static_decode_attention(q.float(), kp.float(), vp.float(), table, c, 0.125)
     got = triton_decode_attention(q, kp, vp, table, c, 0.125, num_splits=8).float()
     assert (got - want).abs().max() / want.abs().max() < 2e-2
+
+
+def test_strided_context_lengths_and_tables():
+    """Context lengths and block tables that are strided views (a CUDA-graph staging buffer's columns):
+    each row reads its own."""
+    from replicas.kernels.static_decode import static_decode_attention
+    from replicas.kernels.triton_decode_attention import triton_decode_attention
+
+    g = torch.Generator().manual_seed(5)
+    b, heads, kvh, d, blocks, width = 3, 4, 2, 16, 12, 4
+    staging = torch.zeros(b, 2 + width, dtype=torch.long)
+    staging[:, 1] = torch.tensor([22, 4, 41])
+    staging[:, 2:] = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(b)])
+    staging = staging.to(DEVICE)
+    ctx, table = staging[:, 1], staging[:, 2:]
+    kp = torch.randn(blocks, 16, kvh, d, generator=g).to(DEVICE)
+    vp = torch.randn(blocks, 16, kvh, d, generator=g).to(DEVICE)
+    q = torch.randn(b, heads, d, generator=g).to(DEVICE)
+    ours = triton_decode_attention(q, kp, vp, table, ctx, 0.25, num_splits=2)
+    ref = static_decode_attention(q, kp, vp, table.contiguous(), ctx.contiguous(), 0.25)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)

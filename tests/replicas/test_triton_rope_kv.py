@@ -37,3 +37,26 @@ def test_matches_reference_and_writes_only_its_slot(heads, kv_heads, head_dim, p
     for new, old in zip(planes, before, strict=True):
         changed = (new != old).any(-1).any(-1).nonzero().tolist()
         assert changed == [[page, off]]  # exactly its slot was written, nothing else
+
+
+def test_strided_positions_of_a_cuda_graph_staging_buffer():
+    """Batched rows whose positions and block tables are columns of one staging buffer (as
+    :mod:`replicas.decode_graphs` passes them): every row must read its own position. Reading positions
+    as if contiguous sent rows 1.. to wrong positions and made the graphed GPT-OSS standard lane diverge."""
+    g = torch.Generator().manual_seed(4)
+    b, heads, kvh, d, blocks, width = 3, 4, 2, 16, 12, 4
+    staging = torch.zeros(b, 2 + width, dtype=torch.long)
+    staging[:, 1] = torch.tensor([21, 3, 40])
+    staging[:, 2:] = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(b)])
+    staging = staging.to(DEVICE)
+    position, table = staging[:, 1], staging[:, 2:]
+    assert position.stride(0) != 1
+    qkv = torch.randn(b, (heads + 2 * kvh) * d, generator=g).to(DEVICE)
+    cos, sin = torch.randn(64, d // 2, generator=g).to(DEVICE), torch.randn(64, d // 2, generator=g).to(DEVICE)
+    planes = [torch.zeros(blocks, 16, kvh, d, device=DEVICE) for _ in range(4)]
+    q = triton_rope_kv(qkv, cos, sin, position, table, planes[0], planes[1], heads, kvh)
+    q_ref = rope_kv_reference(qkv, cos, sin, position.contiguous(), table.contiguous(), planes[2], planes[3],
+                              heads, kvh)
+    torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(planes[0], planes[2])
+    torch.testing.assert_close(planes[1], planes[3])
