@@ -19,6 +19,7 @@ Usage (GPU): ``python -m ops.bench_kernels [--kernels gemv,dense,attention]``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 
 import torch
@@ -45,9 +46,43 @@ def _time_ms(fn, iters: int = 50) -> float:
     return start.elapsed_time(stop) / iters
 
 
-def main(argv: list[str] | None = None) -> list[tuple]:
-    from replicas.kernels.triton_moe import triton_moe
+def _sweep(title: str, call, grid: dict[str, tuple], top: int, mb: float, prefix: str = "") -> list[tuple]:
+    """Time ``call(**config)`` for every configuration of ``grid`` (a configuration that does not compile is
+    skipped), print the ``top`` fastest with their GB/s for ``mb`` megabytes per call, and return
+    ``(prefix?, *config values, ms)`` rows."""
+    rows = []
+    for values in itertools.product(*grid.values()):
+        config = dict(zip(grid, values, strict=True))
+        try:
+            ms = _time_ms(lambda config=config: call(**config))
+        except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
+            print(f"  {title} {config}: {type(exc).__name__}")
+            continue
+        rows.append((*((prefix,) if prefix else ()), *values, ms))
+    print(f"{title}, best configurations:")
+    for row in sorted(rows, key=lambda r: r[-1])[:top]:
+        values = row[1:-1] if prefix else row[:-1]
+        shown = " ".join(f"{name}={value}" for name, value in zip(grid, values, strict=True))
+        print(f"    {shown}: {row[-1] * 1e3:7.1f} us  {mb / row[-1]:6.0f} GB/s")
+    return rows
 
+
+MOE_FAMILIES = {
+    "simt": ("portable scalar kernels (triton_moe, 2 launches)", "replicas.kernels.triton_moe", "triton_moe",
+             {"block_j": (8, 16), "block_r": (4, 8), "groups_per_tile": (8,)}),
+    "mma": ("tensor-core kernels (triton_moe_mma, 3 launches)", "replicas.kernels.triton_moe_mma",
+            "triton_moe_partials", {"block_j": (16, 32), "block_r": (16, 32), "splits": (3, 5, 8), "num_warps": (2,)}),
+    "scaled": ("tl.dot_scaled kernels (triton_moe_scaled, 2 launches)", "replicas.kernels.triton_moe_scaled",
+               "triton_moe_scaled", {"block_n": (16, 32, 64), "block_k": (128, 256, 512), "num_warps": (2, 4),
+                                     "num_stages": (2, 3, 4)}),
+    "gemv": ("SIMT fp32 kernels (triton_moe_gemv, 2 launches)", "replicas.kernels.triton_moe_gemv",
+             "triton_moe_gemv", {"block_j": (2, 4, 8), "block_r": (4, 8, 16), "blocks_per_step": (8, 16, 32),
+                                 "num_warps": (2, 4)}),
+}
+"""MoE kernel families: (title, module, function, tile grid swept)."""
+
+
+def main(argv: list[str] | None = None) -> list[tuple]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=2880)
     p.add_argument("--inter", type=int, default=2880)
@@ -68,86 +103,34 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     gu_bias = torch.randn(e, 2 * i, device=dev, dtype=torch.bfloat16)
     dn_bias = torch.randn(e, h, device=dev, dtype=torch.bfloat16)
     x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
-    # a different expert set per call, so that consecutive calls do not hit in the 50 MB L2
+    # a different expert set per call (the calls are captured in one graph), so that consecutive calls do not
+    # hit in the 50 MB L2
     id_sets = [torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)]) for _ in range(16)]
-    ids = id_sets[0]
     turn = [0]
     w = torch.softmax(torch.randn(t, k, device=dev), -1).to(torch.bfloat16)
-    experts_used = ids.unique().numel()
+    experts_used = id_sets[0].unique().numel()
     moved = experts_used * (gu_b[0].numel() + gu_s[0].numel() + dn_b[0].numel() + dn_s[0].numel())
-    results = []
     dense = torch.randn(16 * i, h, device=dev, dtype=torch.bfloat16)  # larger than L2
     ms = _time_ms(lambda: torch.nn.functional.linear(x, dense), iters=20)
     print(f"cuBLAS bf16 GEMV [{16 * i} x {h}] ({dense.numel() * 2 / 1e6:.1f} MB): {ms * 1e3:.1f} us, "
           f"{dense.numel() * 2 / ms / 1e6:.0f} GB/s")
     print(f"MoE: {t} token(s), {experts_used} experts read, {moved / 1e6:.1f} MB per call")
-    for bj, br, gt in itertools.product((8, 16), (4, 8), (8,)) if "simt" in families else ():
-        def call(bj=bj, br=br, gt=gt):
-            turn[0] += 1
-            triton_moe(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias, 1.702, 7.0, residual=x,
-                       block_j=bj, block_r=br, groups_per_tile=gt)
-        ms = _time_ms(call)
-        results.append((bj, br, gt, ms))
-    if results:
-        print("portable kernels (triton_moe), best configurations:")
-    for bj, br, gt, ms in sorted(results, key=lambda r: r[-1])[:args.top]:
-        print(f"    block_j={bj:2d} block_r={br:2d} groups/tile={gt}: {ms * 1e3:7.1f} us  "
-              f"{moved / ms / 1e6:6.0f} GB/s")
-    from replicas.kernels.triton_moe_mma import triton_moe_partials
+    rows = []
+    for name, (title, module, fn_name, grid) in MOE_FAMILIES.items():
+        if name not in families:
+            continue
+        kernel = getattr(importlib.import_module(module), fn_name)
 
-    mma = []
-    for bj, br, splits, warps in itertools.product((16, 32), (16, 32), (3, 5, 8), (2,)) if "mma" in families else ():
-        def call_mma(bj=bj, br=br, splits=splits, warps=warps):
+        def call(kernel=kernel, **tiles):
             turn[0] += 1
-            triton_moe_partials(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias,
-                                1.702, 7.0, block_j=bj, block_r=br, splits=splits, num_warps=warps)
-        mma.append((bj, br, splits, warps, _time_ms(call_mma)))
-    if mma:
-        print("tensor-core kernels (triton_moe_mma, 3 launches), best configurations:")
-    for bj, br, splits, warps, ms in sorted(mma, key=lambda r: r[-1])[:args.top]:
-        print(f"    block_j={bj:2d} block_r={br:2d} splits={splits} warps={warps}: {ms * 1e3:7.1f} us  "
-              f"{moved / ms / 1e6:6.0f} GB/s")
-    from replicas.kernels.triton_moe_scaled import triton_moe_scaled
-
-    scaled = []
-    for bn, bk, warps, stages in (itertools.product((16, 32, 64), (128, 256, 512), (2, 4), (2, 3, 4))
-                                  if "scaled" in families else ()):
-        def call_scaled(bn=bn, bk=bk, warps=warps, stages=stages):
-            turn[0] += 1
-            triton_moe_scaled(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias,
-                              1.702, 7.0, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-        try:
-            scaled.append((bn, bk, warps, stages, _time_ms(call_scaled)))
-        except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
-            print(f"  dot_scaled block_n={bn} block_k={bk} warps={warps} stages={stages}: {type(exc).__name__}")
-    if scaled:
-        print("tl.dot_scaled kernels (triton_moe_scaled, 2 launches), best configurations:")
-    for bn, bk, warps, stages, ms in sorted(scaled, key=lambda r: r[-1])[:args.top]:
-        print(f"    block_n={bn:2d} block_k={bk:3d} warps={warps} stages={stages}: {ms * 1e3:7.1f} us  "
-              f"{moved / ms / 1e6:6.0f} GB/s")
-    from replicas.kernels.triton_moe_gemv import triton_moe_gemv
-
-    gemv = []
-    for bj, br, gb, warps, depth in (itertools.product((2, 4, 8), (4, 8, 16), (8, 16, 32), (2, 4), (1, 2))
-                                     if "gemv" in families else ()):
-        def call_gemv(bj=bj, br=br, gb=gb, warps=warps, depth=depth):
-            turn[0] += 1
-            triton_moe_gemv(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias,
-                            1.702, 7.0, block_j=bj, block_r=br, blocks_per_step=gb, num_warps=warps,
-                            prefetch=depth)
-        try:
-            gemv.append((bj, br, gb, warps, depth, _time_ms(call_gemv)))
-        except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
-            print(f"  gemv block_j={bj} block_r={br} blocks/step={gb} warps={warps} prefetch={depth}: "
-                  f"{type(exc).__name__}")
-    if gemv:
-        print("SIMT fp32 kernels (triton_moe_gemv, 2 launches), best configurations:")
-    for bj, br, gb, warps, depth, ms in sorted(gemv, key=lambda r: r[-1])[:args.top]:
-        print(f"    block_j={bj} block_r={br:2d} blocks/step={gb:2d} warps={warps} prefetch={depth}: "
-              f"{ms * 1e3:7.1f} us  {moved / ms / 1e6:6.0f} GB/s")
-    dense = _bench_dense(x) if "dense" in families else []
-    attention = _bench_attention(dev) if "attention" in families else []
-    return results + mma + scaled + gemv + dense + attention
+            kernel(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias, 1.702, 7.0,
+                   **tiles)
+        rows += _sweep(title, call, grid, args.top, moved / 1e6, prefix=name)
+    if "dense" in families:
+        rows += _bench_dense(dev)
+    if "attention" in families:
+        rows += _bench_attention(dev)
+    return rows
 
 
 def _bench_attention(dev: torch.device) -> list[tuple]:
@@ -176,41 +159,27 @@ def _bench_attention(dev: torch.device) -> list[tuple]:
     return out
 
 
-def _bench_dense(x: torch.Tensor) -> list[tuple]:
+def _bench_dense(dev: torch.device) -> list[tuple]:
     """The batch-one bf16 GEMV (``triton_gemv``) against cuBLAS (``F.linear``) at gpt-oss-120b's attention
     projections and router; 8 weight copies rotated per call so that L2 never holds them."""
-    out = []
-    for name, n, k in (("qkv", 5120, 2880), ("o_proj", 2880, 4096), ("router", 128, 2880)):
-        out += [(name, *r) for r in _bench_dense_shape(name, n, k, x.device)]
-    return out
-
-
-def _bench_dense_shape(name: str, n: int, k: int, dev: torch.device) -> list[tuple]:
     from replicas.kernels.triton_gemv import triton_gemv
 
-    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(8)]
-    b = torch.randn(n, device=dev, dtype=torch.bfloat16)
-    xi = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-    mb = n * k * 2 / 1e6
-    turn = [0]
-
-    def cublas():
-        turn[0] += 1
-        torch.nn.functional.linear(xi, ws[turn[0] % 8], b)
-    ms = _time_ms(cublas)
-    print(f"dense {name} [{n} x {k}] ({mb:.1f} MB): cuBLAS {ms * 1e3:6.1f} us {mb / ms:6.0f} GB/s")
     rows = []
-    for bn, bk, warps in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)):
-        def gemv(bn=bn, bk=bk, warps=warps):
+    for name, n, k in (("qkv", 5120, 2880), ("o_proj", 2880, 4096), ("router", 128, 2880)):
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(8)]
+        b = torch.randn(n, device=dev, dtype=torch.bfloat16)
+        xi = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        mb = n * k * 2 / 1e6
+        turn = [0]
+
+        def call(fn, ws=ws, b=b, xi=xi, turn=turn, **tiles):
             turn[0] += 1
-            triton_gemv(xi, ws[turn[0] % 8], b, block_n=bn, block_k=bk, num_warps=warps)
-        try:
-            rows.append((bn, bk, warps, _time_ms(gemv)))
-        except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
-            print(f"  gemv block_n={bn} block_k={bk} warps={warps}: {type(exc).__name__}")
-    for bn, bk, warps, ms in sorted(rows, key=lambda r: r[-1])[:4]:
-        print(f"    triton_gemv block_n={bn:2d} block_k={bk:4d} warps={warps}: {ms * 1e3:6.1f} us "
-              f"{mb / ms:6.0f} GB/s")
+            fn(xi, ws[turn[0] % len(ws)], b, **tiles)
+        ms = _time_ms(lambda call=call: call(torch.nn.functional.linear))
+        print(f"dense {name} [{n} x {k}] ({mb:.1f} MB): cuBLAS {ms * 1e3:6.1f} us {mb / ms:6.0f} GB/s")
+        rows += _sweep(f"triton_gemv {name}", lambda call=call, **tiles: call(triton_gemv, **tiles),
+                       {"block_n": (4, 8, 16), "block_k": (256, 512, 1024), "num_warps": (4, 8)}, 4, mb,
+                       prefix=name)
     return rows
 
 

@@ -100,30 +100,31 @@ def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, resi
     kernel = lazy_kernel("replicas.kernels.triton_moe", "triton_moe") if x.is_cuda else None
     if kernel is not None and x.shape[0] <= GROUPED_MAX_TOKENS:
         return kernel(x, weights, ids, *_packed(experts), residual=residual)
-    out = moe_reference(x, weights, ids, experts)
+    # prefill: dequantize-then-GEMM, each expert dequantized in one Triton launch on a GPU (exact)
+    fast = lazy_kernel("replicas.kernels.triton_mxfp4", "triton_dequantize_mxfp4") if x.is_cuda else None
+    out = moe_reference(x, weights, ids, experts, dequantize=fast)
     return out if residual is None else residual + out
 
 
-def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
+def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
+                  dequantize=None) -> torch.Tensor:
     """Torch reference: each routed expert dequantized once (to ``x.dtype``) and applied to its tokens.
 
     Experts are visited in increasing id and accumulated in ``x.dtype``, as transformers'
-    ``GptOssExperts.forward``. Syncs with the host (``torch.unique``): not capturable. On a GPU the
-    dequantization is one Triton launch per matrix
-    (:func:`~replicas.kernels.triton_mxfp4.triton_dequantize_mxfp4`, exact like
-    :func:`~replicas.models.mxfp4.dequantize_mxfp4`, which the CPU uses): the prefill path.
+    ``GptOssExperts.forward``. Syncs with the host (``torch.unique``): not capturable.
+    ``dequantize(blocks, scales, dtype)`` defaults to :func:`~replicas.models.mxfp4.dequantize_mxfp4`;
+    :func:`moe` passes the one-launch Triton equivalent on a GPU
+    (:func:`~replicas.kernels.triton_mxfp4.triton_dequantize_mxfp4`, exact as well).
     """
     from replicas.models.gpt_oss import clamped_swiglu
     from replicas.models.mxfp4 import dequantize_mxfp4
 
-    if x.is_cuda:
-        dequantize_mxfp4 = lazy_kernel("replicas.kernels.triton_mxfp4", "triton_dequantize_mxfp4") or dequantize_mxfp4
-
+    dequantize = dequantize or dequantize_mxfp4
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         tok, slot = torch.where(ids == e)  # tokens routed to e, and at which of their K slots
-        w_gate_up = dequantize_mxfp4(experts.gate_up_proj_blocks[e], experts.gate_up_proj_scales[e], x.dtype)
-        w_down = dequantize_mxfp4(experts.down_proj_blocks[e], experts.down_proj_scales[e], x.dtype)
+        w_gate_up = dequantize(experts.gate_up_proj_blocks[e], experts.gate_up_proj_scales[e], x.dtype)
+        w_down = dequantize(experts.down_proj_blocks[e], experts.down_proj_scales[e], x.dtype)
         y = F.linear(x[tok], w_gate_up, experts.gate_up_proj_bias[e])  # [n, 2I]
         y = F.linear(clamped_swiglu(y, experts.alpha, experts.limit), w_down, experts.down_proj_bias[e])
         out.index_add_(0, tok, y * weights[tok, slot, None])

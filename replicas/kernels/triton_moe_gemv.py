@@ -46,6 +46,7 @@ from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
 
 X_SHIFT = tl.constexpr(64)
 """Activations are multiplied by ``2**X_SHIFT`` before the products (see the module docstring)."""
+X_SCALE = tl.constexpr(float(2 ** X_SHIFT.value))
 
 _E2M1_X4_TO_F32 = tl.constexpr("""
 {
@@ -71,7 +72,7 @@ a shift (lane 0) or a mask (lane 1)."""
 
 
 @triton.jit
-def _e2m1_bits(b, PTX: tl.constexpr):
+def e2m1_bits(b, PTX: tl.constexpr):
     """uint8 ``[..]`` packed bytes → (low-nibble, high-nibble) fp32 values, each times 2**-126."""
     if PTX:
         return tl.inline_asm_elementwise(_E2M1_X4_TO_F32, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b],
@@ -100,40 +101,31 @@ def _load_step(row_ptr, srow_ptr, x_ptr, row_ok, g0, G: tl.constexpr, GB: tl.con
 @triton.jit
 def _step_dot(b, s, x, PTX: tl.constexpr):
     """``[R, GB]`` fp32: each row's 32-value block · its activations, times the block scale."""
-    xe, xo = tl.split(tl.reshape(x.to(tl.float32) * 18446744073709551616.0, [x.shape[0], 16, 2]))  # * 2**64
-    lo, hi = _e2m1_bits(b, PTX)
+    xe, xo = tl.split(tl.reshape(x.to(tl.float32) * X_SCALE, [x.shape[0], 16, 2]))
+    lo, hi = e2m1_bits(b, PTX)
     part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
     return part * ((s.to(tl.int32) + (126 - X_SHIFT)) << 23).to(tl.float32, bitcast=True)  # 2**(s-127+126-64)
 
 
 @triton.jit
-def _rows_dot(row_ptr, srow_ptr, x_ptr, row_ok, G: tl.constexpr, GB: tl.constexpr, PTX: tl.constexpr,
-              DEPTH: tl.constexpr):
+def _rows_dot(row_ptr, srow_ptr, x_ptr, row_ok, G: tl.constexpr, GB: tl.constexpr, PTX: tl.constexpr):
     """``[R]`` fp32: packed rows (byte pointers ``row_ptr`` ``[R]``, scale pointers ``srow_ptr`` ``[R]``)
     · the ``G * 32`` activations at ``x_ptr``, ``GB`` 32-value blocks per step, each block in one thread.
 
-    The loads of the next ``DEPTH`` (1 or 2) steps are issued before this step's arithmetic (a batch-one
-    GEMV has nothing else to hide DRAM latency with)."""
+    The next step's loads are issued before this step's arithmetic (a batch-one GEMV has nothing else to
+    hide DRAM latency with; two steps ahead measured the same on an H200)."""
     NS: tl.constexpr = (G + GB - 1) // GB
     b, s, x = _load_step(row_ptr, srow_ptr, x_ptr, row_ok, 0, G, GB)
-    if DEPTH > 1 and NS > 1:
-        b1, s1, x1 = _load_step(row_ptr, srow_ptr, x_ptr, row_ok, GB, G, GB)
     for i in tl.static_range(NS):
-        if i + DEPTH < NS:
-            b_next, s_next, x_next = _load_step(row_ptr, srow_ptr, x_ptr, row_ok, (i + DEPTH) * GB, G, GB)
+        if i + 1 < NS:
+            b_next, s_next, x_next = _load_step(row_ptr, srow_ptr, x_ptr, row_ok, (i + 1) * GB, G, GB)
         part = _step_dot(b, s, x, PTX)
         if i == 0:
             acc = part
         else:
             acc += part
-        if DEPTH > 1:
-            if i + 1 < NS:
-                b, s, x = b1, s1, x1
-            if i + 2 < NS:
-                b1, s1, x1 = b_next, s_next, x_next
-        else:
-            if i + 1 < NS:
-                b, s, x = b_next, s_next, x_next
+        if i + 1 < NS:
+            b, s, x = b_next, s_next, x_next
     return tl.sum(acc, axis=1)
 
 
@@ -143,7 +135,6 @@ def _gate_up_kernel(
     stride_be, stride_br, stride_se, stride_sr, stride_bias,
     INTER, alpha, limit,
     K: tl.constexpr, HIDDEN: tl.constexpr, BJ: tl.constexpr, GB: tl.constexpr, PTX: tl.constexpr,
-    DEPTH: tl.constexpr,
 ):
     """Grid ``(pairs, cdiv(I, BJ))``: ``h[pair, j] = swiglu(W_gu[e] x + b)`` for ``BJ`` outputs ``j``."""
     pair = tl.program_id(0)
@@ -153,7 +144,7 @@ def _gate_up_kernel(
     row_ok = rows < 2 * INTER
     y = _rows_dot(blocks_ptr + e * stride_be + rows.to(tl.int64) * stride_br,
                   scales_ptr + e * stride_se + rows.to(tl.int64) * stride_sr,
-                  x_ptr + token * HIDDEN, row_ok, HIDDEN // 32, GB, PTX, DEPTH)
+                  x_ptr + token * HIDDEN, row_ok, HIDDEN // 32, GB, PTX)
     y += tl.load(bias_ptr + e * stride_bias + rows, mask=row_ok, other=0.0).to(tl.float32)
     gate, up = tl.split(tl.reshape(y, [BJ, 2]))
     gate = tl.minimum(gate, limit)
@@ -166,7 +157,7 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr, part_ptr,
     stride_be, stride_br, stride_se, stride_sr, stride_bias, HIDDEN,
-    INTER: tl.constexpr, BR: tl.constexpr, GB: tl.constexpr, PTX: tl.constexpr, DEPTH: tl.constexpr,
+    INTER: tl.constexpr, BR: tl.constexpr, GB: tl.constexpr, PTX: tl.constexpr,
 ):
     """Grid ``(pairs, cdiv(hidden, BR))``: ``part[pair, r] = w_pair * (W_d[e] h_pair + b)[r]``."""
     pair = tl.program_id(0)
@@ -176,7 +167,7 @@ def _down_kernel(
     w = tl.load(w_ptr + pair).to(tl.float32)
     y = _rows_dot(blocks_ptr + e * stride_be + r.to(tl.int64) * stride_br,
                   scales_ptr + e * stride_se + r.to(tl.int64) * stride_sr,
-                  h_ptr + pair * INTER, r_ok, INTER // 32, GB, PTX, DEPTH)
+                  h_ptr + pair * INTER, r_ok, INTER // 32, GB, PTX)
     y += tl.load(bias_ptr + e * stride_bias + r, mask=r_ok, other=0.0).to(tl.float32)
     tl.store(part_ptr + pair * HIDDEN + r, w * y, mask=r_ok)
 
@@ -186,7 +177,7 @@ def triton_moe_gemv(
     gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, block_j: int = 4, block_r: int = 8, blocks_per_step: int = 16,
-    num_warps: int = 4, prefetch: int = 1, ptx: bool | None = None,
+    num_warps: int = 4, ptx: bool | None = None,
 ) -> torch.Tensor:
     """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches).
 
@@ -199,8 +190,7 @@ def triton_moe_gemv(
             down_bias ``[E, hidden]``.
         alpha, limit: the clamped SwiGLU's constants (GPT-OSS: 1.702, 7.0).
         block_j: SwiGLU outputs per gate_up program; block_r: output rows per down program;
-            blocks_per_step: 32-value blocks loaded per step (one per thread); num_warps: per program;
-            prefetch: steps whose loads are in flight ahead of the arithmetic (1 or 2).
+            blocks_per_step: 32-value blocks loaded per step (one per thread); num_warps: per program.
             Defaults: the fastest of ``python -m ops.bench_kernels`` on an H200 at gpt-oss-120b's shape.
         ptx: decode with inline PTX (default: on CUDA; Triton's CPU interpreter needs False).
 
@@ -228,13 +218,13 @@ def triton_moe_gemv(
         x, ids, gate_up_blocks, gate_up_scales, gate_up_bias, h,
         gate_up_blocks.stride(0), gate_up_blocks.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
         gate_up_bias.stride(0), inter, alpha, limit,
-        K=k, HIDDEN=hidden, BJ=block_j, GB=blocks_per_step, PTX=ptx, DEPTH=prefetch, num_warps=num_warps,
+        K=k, HIDDEN=hidden, BJ=block_j, GB=blocks_per_step, PTX=ptx, num_warps=num_warps,
     )
     out = torch.empty(t, k, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(pairs, triton.cdiv(hidden, block_r))](
         h, ids, weights, down_blocks, down_scales, down_bias, out,
         down_blocks.stride(0), down_blocks.stride(1), down_scales.stride(0), down_scales.stride(1),
         down_bias.stride(0), hidden,
-        INTER=inter, BR=block_r, GB=blocks_per_step, PTX=ptx, DEPTH=prefetch, num_warps=num_warps,
+        INTER=inter, BR=block_r, GB=blocks_per_step, PTX=ptx, num_warps=num_warps,
     )
     return out

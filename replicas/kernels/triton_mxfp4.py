@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replicas.kernels.triton_moe_gemv import _e2m1_bits
+from replicas.kernels.triton_moe_gemv import e2m1_bits
 from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
 
 
@@ -29,7 +29,7 @@ def _dequant_kernel(b_ptr, s_ptr, out_ptr, NB, BLOCKS: tl.constexpr, PTX: tl.con
     c = tl.arange(0, 16)
     b = tl.load(b_ptr + blk.to(tl.int64)[:, None] * 16 + c[None, :], mask=ok[:, None], other=0)
     s = tl.load(s_ptr + blk, mask=ok, other=127).to(tl.int32)
-    lo, hi = _e2m1_bits(b, PTX)
+    lo, hi = e2m1_bits(b, PTX)
     scale = ((s + (127 - 64)) << 23).to(tl.float32, bitcast=True)[:, None]  # 2**(s-64)
     lo = (lo * 9223372036854775808.0) * scale  # (v * 2**-126 * 2**63) * 2**(s-64), in this order: no overflow
     hi = (hi * 9223372036854775808.0) * scale

@@ -274,7 +274,7 @@ class GptOssForCausalLM(nn.Module):
         return self.lm_head(x).float()  # [B, vocab]
 
     compile_decode_step = False
-    """The decode step is already our fused kernels plus cuBLAS GEMVs; Inductor has nothing left to fuse."""
+    """The decode step is already our Triton kernels plus the cuBLAS LM head; Inductor has nothing left to fuse."""
 
     max_decode_graph_batch = GROUPED_MAX_TOKENS
     """Standard-lane decode CUDA graphs up to ``GROUPED_MAX_TOKENS`` sequences: above it the MoE

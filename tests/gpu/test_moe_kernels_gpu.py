@@ -133,11 +133,11 @@ def test_dot_scaled_mxfp4_moe_at_120b_dims(tokens, block_n, block_k):
     assert rel < 2e-2, rel
 
 
-@pytest.mark.parametrize("block_j,block_r,blocks_per_step,warps,prefetch", [(2, 4, 32, 1, 1), (4, 8, 16, 2, 1),
-                                                                             (1, 2, 32, 4, 1), (4, 8, 16, 4, 2)])
+@pytest.mark.parametrize("block_j,block_r,blocks_per_step,warps", [(2, 4, 32, 1), (4, 8, 16, 2), (1, 2, 32, 4),
+                                                                    (4, 8, 16, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_simt_fp32_mxfp4_moe_at_120b_dims(dtype, tokens, block_j, block_r, blocks_per_step, warps, prefetch):
+def test_simt_fp32_mxfp4_moe_at_120b_dims(dtype, tokens, block_j, block_r, blocks_per_step, warps):
     """The SIMT kernels sum exact fp32 products: within fp32 summation order of the fp32 reference for
     either activation dtype, and bit-identical between the inline-PTX and the plain-Triton E2M1 decoding."""
     from replicas.kernels.moe import moe_reference
@@ -150,8 +150,7 @@ def test_simt_fp32_mxfp4_moe_at_120b_dims(dtype, tokens, block_j, block_r, block
     w = torch.softmax(torch.randn(tokens, 4, generator=g, device="cuda"), -1).to(dtype)
     args = (x, w, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.gate_up_proj_bias,
             experts.down_proj_blocks, experts.down_proj_scales, experts.down_proj_bias, 1.702, 7.0)
-    tiles = dict(block_j=block_j, block_r=block_r, blocks_per_step=blocks_per_step, num_warps=warps,
-                 prefetch=prefetch)
+    tiles = dict(block_j=block_j, block_r=block_r, blocks_per_step=blocks_per_step, num_warps=warps)
     parts = triton_moe_gemv(*args, **tiles)
     assert parts.shape == (tokens, 4, HIDDEN)
     assert torch.equal(parts, triton_moe_gemv(*args, **tiles, ptx=False))

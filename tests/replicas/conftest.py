@@ -82,6 +82,18 @@ def greedy_request(request_id: str, ids: list[int], params: SamplingParams = GRE
     return GenerateRequest(request_id=request_id, prompt_token_ids=list(ids), params=params, **kw)
 
 
+def staged_columns(column: list[int], tables: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``column`` (positions or context lengths) and ``tables`` ``[B, width]`` as strided views of one
+    ``[B, 2 + width]`` int64 buffer, laid out as :mod:`replicas.decode_graphs` stages a batch (token,
+    position, block table), so kernels must honour the strides."""
+    staging = torch.zeros(tables.shape[0], 2 + tables.shape[1], dtype=torch.long)
+    staging[:, 1] = torch.tensor(column)
+    staging[:, 2:] = tables
+    staging = staging.to(device)
+    assert staging[:, 1].stride(0) != 1
+    return staging[:, 1], staging[:, 2:]
+
+
 def small_core(core: EngineCore, num_kv_blocks: int, max_model_len: int, prefix_caching: bool = False) -> EngineCore:
     """A real engine core with its own (small) KV cache, sharing ``core``'s loaded weights.
 

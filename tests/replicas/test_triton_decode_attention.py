@@ -70,14 +70,12 @@ def test_strided_context_lengths_and_tables():
     each row reads its own."""
     from replicas.kernels.static_decode import static_decode_attention
     from replicas.kernels.triton_decode_attention import triton_decode_attention
+    from tests.replicas.conftest import staged_columns
 
     g = torch.Generator().manual_seed(5)
     b, heads, kvh, d, blocks, width = 3, 4, 2, 16, 12, 4
-    staging = torch.zeros(b, 2 + width, dtype=torch.long)
-    staging[:, 1] = torch.tensor([22, 4, 41])
-    staging[:, 2:] = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(b)])
-    staging = staging.to(DEVICE)
-    ctx, table = staging[:, 1], staging[:, 2:]
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(b)])
+    ctx, table = staged_columns([22, 4, 41], tables, DEVICE)
     kp = torch.randn(blocks, 16, kvh, d, generator=g).to(DEVICE)
     vp = torch.randn(blocks, 16, kvh, d, generator=g).to(DEVICE)
     q = torch.randn(b, heads, d, generator=g).to(DEVICE)

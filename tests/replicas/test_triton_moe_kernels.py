@@ -65,12 +65,11 @@ def test_mxfp4_moe_matches_dequantized_reference(tokens, k, with_residual):
     assert _rel_err(ours, ref) < 1e-5
 
 
-@pytest.mark.parametrize("tokens,k,blocks_per_step,prefetch", [(1, 4, 2, 1), (3, 2, 4, 1), (2, 1, 16, 1),
-                                                                (1, 4, 1, 2), (2, 2, 2, 2)])
-def test_simt_fp32_moe_matches_dequantized_reference(tokens, k, blocks_per_step, prefetch):
+@pytest.mark.parametrize("tokens,k,blocks_per_step", [(1, 4, 2), (3, 2, 4), (2, 1, 16), (1, 4, 1)])
+def test_simt_fp32_moe_matches_dequantized_reference(tokens, k, blocks_per_step):
     """The exact-fp32 SIMT kernels with their plain-Triton E2M1 decoding (the inline PTX runs on the GPU,
     ``tests/gpu``): per-expert weighted partials that sum to the reference; several K steps, a masked last
-    step (3 blocks in steps of 2), one step larger than the row (16 > 3)."""
+    step (3 blocks in steps of 2), one step larger than the row (16 > 3), one block per step."""
     hidden, inter, e = 96, 64, 8
     experts = RandomExperts(e, hidden, inter, seed=tokens * 7 + k)
     g = torch.Generator().manual_seed(k + 5)
@@ -80,8 +79,7 @@ def test_simt_fp32_moe_matches_dequantized_reference(tokens, k, blocks_per_step,
     parts = triton_moe_gemv(x, weights, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales,
                             experts.gate_up_proj_bias, experts.down_proj_blocks, experts.down_proj_scales,
                             experts.down_proj_bias, experts.alpha, experts.limit, block_j=2, block_r=4,
-                            blocks_per_step=blocks_per_step, num_warps=1, prefetch=prefetch,
-                            ptx=torch.cuda.is_available())
+                            blocks_per_step=blocks_per_step, num_warps=1, ptx=torch.cuda.is_available())
     assert parts.shape == (tokens, k, hidden)
     ref = moe_reference(x, weights, ids, experts)
     assert ref.abs().max() > 1

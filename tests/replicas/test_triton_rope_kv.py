@@ -43,14 +43,12 @@ def test_strided_positions_of_a_cuda_graph_staging_buffer():
     """Batched rows whose positions and block tables are columns of one staging buffer (as
     :mod:`replicas.decode_graphs` passes them): every row must read its own position. Reading positions
     as if contiguous sent rows 1.. to wrong positions and made the graphed GPT-OSS standard lane diverge."""
+    from tests.replicas.conftest import staged_columns
+
     g = torch.Generator().manual_seed(4)
     b, heads, kvh, d, blocks, width = 3, 4, 2, 16, 12, 4
-    staging = torch.zeros(b, 2 + width, dtype=torch.long)
-    staging[:, 1] = torch.tensor([21, 3, 40])
-    staging[:, 2:] = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(b)])
-    staging = staging.to(DEVICE)
-    position, table = staging[:, 1], staging[:, 2:]
-    assert position.stride(0) != 1
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(b)])
+    position, table = staged_columns([21, 3, 40], tables, DEVICE)
     qkv = torch.randn(b, (heads + 2 * kvh) * d, generator=g).to(DEVICE)
     cos, sin = torch.randn(64, d // 2, generator=g).to(DEVICE), torch.randn(64, d // 2, generator=g).to(DEVICE)
     planes = [torch.zeros(blocks, 16, kvh, d, device=DEVICE) for _ in range(4)]
