@@ -2,7 +2,7 @@
 
 Families (``--kernels``, comma-separated; default: all):
 
-- ``simt``, ``mma``, ``scaled``, ``gemv``: the MXFP4 MoE GEMV variants at gpt-oss-120b's expert shape
+- ``simt``, ``mma``, ``scaled``, ``gemv``, ``tc``: the MXFP4 MoE GEMV variants at gpt-oss-120b's expert shape
   (hidden 2880, expert width 2880, 128 experts, top-4: one decode token reads 4 experts' packed gate_up
   and down matrices, 52.9 MB), 16 expert sets rotated so that L2 never holds the weights;
 - ``dense``: the batch-one bf16 GEMV (:mod:`replicas.kernels.triton_gemv`) against cuBLAS at the
@@ -78,6 +78,9 @@ MOE_FAMILIES = {
     "gemv": ("SIMT fp32 kernels (triton_moe_gemv, 2 launches)", "replicas.kernels.triton_moe_gemv",
              "triton_moe_gemv", {"block_j": (2, 4, 8), "block_r": (4, 8, 16), "blocks_per_step": (8, 16, 32),
                                  "num_warps": (2, 4)}),
+    "tc": ("tensor-core kernels, inline-PTX mma.sync (triton_moe_tc, 2 launches)", "replicas.kernels.triton_moe_tc",
+           "triton_moe_tc", {"num_warps": (4, 8), "down_num_warps": (2, 4, 8), "depth": (1, 2),
+                              "prefetch": (False, True)}),
 }
 """MoE kernel families: (title, module, function, tile grid swept)."""
 
@@ -90,8 +93,8 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--top", type=int, default=6, help="configurations printed per kernel family")
-    p.add_argument("--kernels", default="simt,mma,scaled,gemv,dense,attention",
-                   help="comma-separated kernel families to time: simt, mma, scaled, gemv, dense, attention")
+    p.add_argument("--kernels", default="simt,mma,scaled,gemv,tc,dense,attention",
+                   help="comma-separated kernel families to time: simt, mma, scaled, gemv, tc, dense, attention")
     args = p.parse_args(argv)
     families = set(args.kernels.split(","))
     dev = torch.device("cuda")
@@ -121,10 +124,15 @@ def main(argv: list[str] | None = None) -> list[tuple]:
             continue
         kernel = getattr(importlib.import_module(module), fn_name)
 
-        def call(kernel=kernel, **tiles):
+        extra = {}
+        if name == "tc":  # its activations come in its own format from the launch that produced them
+            from replicas.kernels.triton_moe_tc import mxfp4_activations
+            extra = {"x_mxfp4": mxfp4_activations(x)}
+
+        def call(kernel=kernel, extra=extra, **tiles):
             turn[0] += 1
             kernel(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias, 1.702, 7.0,
-                   **tiles)
+                   **extra, **tiles)
         rows += _sweep(title, call, grid, args.top, moved / 1e6, prefix=name)
     if "dense" in families:
         rows += _bench_dense(dev)

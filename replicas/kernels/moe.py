@@ -21,27 +21,42 @@ from replicas.kernels.triton_loader import lazy_kernel
 GROUPED_MAX_TOKENS = 16
 """Above this many tokens, dequantize-then-GEMM beats re-reading packed experts per (token, expert) pair."""
 
-MOE_KERNEL = os.environ.get("PERSISTENT_SERVE_MOE_KERNEL", "gemv")
-"""Decode MoE kernels on CUDA: ``gemv`` — inline-PTX E2M1 decoding straight to fp32, exact fp32 sums
-on the SIMT cores (:mod:`replicas.kernels.triton_moe_gemv`, NVIDIA only; the fastest on an H200);
+MOE_KERNEL = os.environ.get("PERSISTENT_SERVE_MOE_KERNEL", "tc")
+"""Decode MoE kernels on CUDA: ``tc`` — inline-PTX E2M1 decoding to bf16 pairs and ``mma.sync`` on the
+tensor cores, fp32 sums, activations rounded to bf16 (:mod:`replicas.kernels.triton_moe_tc`, NVIDIA only;
+the fastest on an H200; fp32 models use ``gemv`` instead, which stays exact); ``gemv`` — inline-PTX E2M1
+decoding straight to fp32, exact fp32 sums on the SIMT cores (:mod:`replicas.kernels.triton_moe_gemv`);
 ``mma`` — inline-PTX decoding to fp16 + ``tl.dot`` (:mod:`replicas.kernels.triton_moe_mma`);
 ``scaled`` — ``tl.dot_scaled`` (:mod:`replicas.kernels.triton_moe_scaled`); ``simt`` — the portable
 scalar kernels of :mod:`replicas.kernels.triton_moe` (also used on ROCm). Environment
 ``PERSISTENT_SERVE_MOE_KERNEL`` selects one; ``python -m ops.bench_kernels`` compares them."""
 
-_PARTIALS = {"gemv": ("replicas.kernels.triton_moe_gemv", "triton_moe_gemv"),
+_PARTIALS = {"tc": ("replicas.kernels.triton_moe_tc", "triton_moe_tc"),
+             "gemv": ("replicas.kernels.triton_moe_gemv", "triton_moe_gemv"),
              "scaled": ("replicas.kernels.triton_moe_scaled", "triton_moe_scaled"),
              "mma": ("replicas.kernels.triton_moe_mma", "triton_moe_partials")}
 
 
-def _partials_kernel(x: torch.Tensor):
-    """The per-expert-partials MoE kernel of :data:`MOE_KERNEL` when it applies to ``x`` (CUDA on NVIDIA,
-    few tokens; for ``mma``/``scaled`` half-precision activations only — the tensor-core paths round
-    activations to bf16/fp16, so fp32 models keep exact kernels), else None."""
-    if (MOE_KERNEL not in _PARTIALS or not x.is_cuda or torch.version.hip or x.shape[0] > GROUPED_MAX_TOKENS
-            or (x.dtype == torch.float32 and MOE_KERNEL != "gemv")):
+def _partials_name(x: torch.Tensor) -> str | None:
+    """Which per-expert-partials MoE kernel applies to ``x``: :data:`MOE_KERNEL` on CUDA on NVIDIA for a
+    few tokens, except that fp32 activations take the exact ``gemv`` kernels in place of the tensor-core
+    ones (which round activations to bf16/fp16); None elsewhere."""
+    if MOE_KERNEL not in _PARTIALS or not x.is_cuda or torch.version.hip or x.shape[0] > GROUPED_MAX_TOKENS:
         return None
-    return lazy_kernel(*_PARTIALS[MOE_KERNEL])
+    return "gemv" if x.dtype == torch.float32 and MOE_KERNEL != "gemv" else MOE_KERNEL
+
+
+def _partials_kernel(x: torch.Tensor):
+    """The kernel of :func:`_partials_name` (None when none applies or Triton is missing)."""
+    name = _partials_name(x)
+    return lazy_kernel(*_PARTIALS[name]) if name else None
+
+
+def moe_takes_mxfp4(x: torch.Tensor) -> bool:
+    """Whether the decode MoE kernel for ``x`` reads its activations in the tensor-core format
+    (:func:`~replicas.kernels.triton_moe_tc.mxfp4_activations`): the add+RMSNorm launch before it then writes
+    them too (``add_rmsnorm(..., mxfp4_out=True)``), saving a conversion per layer."""
+    return _partials_name(x) == "tc" and _partials_kernel(x) is not None
 
 
 def _packed(experts) -> tuple:
@@ -50,9 +65,11 @@ def _packed(experts) -> tuple:
 
 
 def moe_add_rmsnorm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, residual: torch.Tensor,
-                    norm, weight_in_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    norm, weight_in_fp32: bool, x_mxfp4: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE layer, its residual add and the next RMSNorm: ``(x_new, norm(x_new))`` with
-    ``x_new = residual + moe(x)`` ``[T, hidden]``.
+    ``x_new = residual + moe(x)`` ``[T, hidden]``. ``x_mxfp4``: ``x`` in the tensor-core kernels' format
+    when :func:`moe_takes_mxfp4` (written by the add+RMSNorm that produced ``x``).
 
     On NVIDIA GPUs two launches write per-expert partials and one add+RMSNorm launch sums them (fixed
     order, no atomics); elsewhere :func:`moe` then
@@ -62,7 +79,8 @@ def moe_add_rmsnorm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
 
     kernel = _partials_kernel(x)
     if kernel is not None:
-        return add_rmsnorm(residual, kernel(x, weights, ids, *_packed(experts)), norm, weight_in_fp32)
+        extra = {"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}
+        return add_rmsnorm(residual, kernel(x, weights, ids, *_packed(experts), **extra), norm, weight_in_fp32)
     return add_rmsnorm(moe(x, weights, ids, experts, residual=residual), None, norm, weight_in_fp32)
 
 

@@ -124,15 +124,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, norm, weight_in_fp32: bool):
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, norm, weight_in_fp32: bool, mxfp4_out: bool = False):
     """``(x + delta, norm(x + delta))`` for ``[T, hidden]`` rows; ``norm`` has ``weight`` and ``eps``.
+    With ``mxfp4_out``, a third result: the normed rows in the tensor-core MoE kernels' activation format
+    (:func:`~replicas.kernels.triton_moe_tc.mxfp4_activations`).
 
     One Triton launch on CUDA (:mod:`replicas.kernels.triton_rmsnorm`), its torch reference elsewhere.
     """
     kernel = lazy_kernel("replicas.kernels.triton_rmsnorm", "triton_add_rmsnorm") if x.is_cuda else None
     if kernel is not None:
-        return kernel(x, delta, norm.weight, norm.eps, weight_in_fp32)
-    return add_rmsnorm_reference(x, delta, norm.weight, norm.eps, weight_in_fp32)
+        return kernel(x, delta, norm.weight, norm.eps, weight_in_fp32, mxfp4_out)
+    x, y = add_rmsnorm_reference(x, delta, norm.weight, norm.eps, weight_in_fp32)
+    if mxfp4_out:
+        from replicas.kernels.triton_moe_tc import mxfp4_activations
+
+        return x, y, mxfp4_activations(y)
+    return x, y
 
 
 def add_rmsnorm_reference(x, delta, weight, eps, weight_in_fp32):

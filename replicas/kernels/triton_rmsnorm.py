@@ -15,11 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
+MX_SCALE = tl.constexpr(2.0 ** 64)
+"""``replicas.kernels.triton_moe_tc.X_SHIFT``: the MMA-format activations are stored times 2**64."""
+
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, y_ptr, N, eps,
+def _add_rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, y_ptr, ymx_ptr, N, eps,
                         BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, WEIGHT_FP32: tl.constexpr,
-                        NPART: tl.constexpr):
+                        NPART: tl.constexpr, MXFP4_OUT: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -40,11 +43,15 @@ def _add_rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, y_ptr, N, eps,
         y = w.to(tl.float32) * (xf * inv)
     else:
         y = w * (xf * inv).to(x.dtype)
-    tl.store(y_ptr + row * N + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * N + offs, y, mask=mask)
+    if MXFP4_OUT:  # y again in the tensor-core MoE kernels' activation format (triton_moe_tc.mxfp4_activations)
+        pos = 8 * (offs // 8) + 2 * (offs % 4) + (offs % 8) // 4
+        tl.store(ymx_ptr + row * N + pos, (y.to(tl.float32) * MX_SCALE).to(tl.bfloat16), mask=mask)
 
 
 def triton_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                       weight_in_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       weight_in_fp32: bool, mxfp4_out: bool = False) -> tuple[torch.Tensor, ...]:
     """``(x + delta, rmsnorm(x + delta) * weight)`` for ``x``, ``delta`` ``[T, N]`` (same dtype).
 
     Args:
@@ -62,11 +69,12 @@ def triton_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torc
     t, n = x.shape
     x_out = torch.empty_like(x) if delta is not None else x
     y = torch.empty_like(x)
+    y_mx = torch.empty(t, n, dtype=torch.bfloat16, device=x.device) if mxfp4_out else y
     npart = delta.shape[1] if delta is not None and delta.dim() == 3 else 0
     block = triton.next_power_of_2(n)
     # one program per row: at batch one a single SM reads the row and its partials, so give it enough
     # warps to keep many loads in flight (16 warps at GPT-OSS's 2880: 3.8 -> 2.4 us per launch on an H200)
-    _add_rmsnorm_kernel[(t,)](x, delta.contiguous() if delta is not None else x, weight, x_out, y, n, eps,
-                              BLOCK=block, HAS_DELTA=delta is not None,
-                              WEIGHT_FP32=weight_in_fp32, NPART=npart, num_warps=min(16, max(4, block // 256)))
-    return x_out, y
+    _add_rmsnorm_kernel[(t,)](x, delta.contiguous() if delta is not None else x, weight, x_out, y, y_mx, n, eps,
+                              BLOCK=block, HAS_DELTA=delta is not None, WEIGHT_FP32=weight_in_fp32, NPART=npart,
+                              MXFP4_OUT=mxfp4_out, num_warps=min(16, max(4, block // 256)))
+    return (x_out, y, y_mx) if mxfp4_out else (x_out, y)

@@ -28,7 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replicas.kernels.moe import GROUPED_MAX_TOKENS, moe, moe_add_rmsnorm, moe_reference, route
+from replicas.kernels.moe import (
+    GROUPED_MAX_TOKENS,
+    moe,
+    moe_add_rmsnorm,
+    moe_reference,
+    moe_takes_mxfp4,
+    route,
+)
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from replicas.kernels.static_decode import add_rmsnorm, decode_attention, linear, rope_kv_write
 from replicas.models.gpt_oss_config import GptOssConfig, YarnScaling
@@ -314,16 +321,18 @@ class GptOssForCausalLM(nn.Module):
         layers = self.model.layers
         x = self.model.embed_tokens(token)  # [B, hidden]
         _, h = add_rmsnorm(x, None, layers[0].input_layernorm, True)
+        mx = moe_takes_mxfp4(h)  # the post-attention norm also writes the MoE kernels' activation format
         for i, (layer, (kp, vp)) in enumerate(zip(layers, kv_planes, strict=True)):
             attn = layer.self_attn
             q = rope_kv_write(attn, h, self.rope_cos, self.rope_sin, position, block_table, kp, vp)  # [1, H, D]
             o = decode_attention(q, kp, vp, block_table, context_len, attn.scale, sinks=attn.sinks,
                                  sliding_window=attn.sliding_window, workspace=self._decode_workspace)
             o = linear(o.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
-            x, h = add_rmsnorm(x, o, layer.post_attention_layernorm, True)
+            x, h, *h_mx = add_rmsnorm(x, o, layer.post_attention_layernorm, True, mxfp4_out=mx)
             weights, ids = route(layer.mlp.router, h)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, h = moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True)
+            x, h = moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True,
+                                   x_mxfp4=h_mx[0] if h_mx else None)
         return self.lm_head(h).float()
 
     @classmethod

@@ -158,3 +158,81 @@ def test_simt_fp32_mxfp4_moe_at_120b_dims(dtype, tokens, block_j, block_r, block
     assert ref.abs().max() > 1
     rel = ((parts.sum(1) - ref).abs().max() / ref.abs().max()).item()
     assert rel < 1e-5, rel
+
+
+def _bf16_activations_reference(x, w, ids, experts):
+    """fp32 reference of the tensor-core MMA kernels' arithmetic: exact dequantized weights, activations and
+    the SwiGLU output rounded to bf16 (as those kernels feed them to the MMA), fp32 everywhere else."""
+    from replicas.models.gpt_oss import clamped_swiglu
+    from replicas.models.mxfp4 import dequantize_mxfp4
+
+    t, k = ids.shape
+    out = torch.empty(t, k, HIDDEN, device="cuda")
+    for i in range(t):
+        for j in range(k):
+            e = int(ids[i, j])
+            w_gu = dequantize_mxfp4(experts.gate_up_proj_blocks[e], experts.gate_up_proj_scales[e], torch.float32)
+            w_dn = dequantize_mxfp4(experts.down_proj_blocks[e], experts.down_proj_scales[e], torch.float32)
+            y = w_gu @ x[i].bfloat16().float() + experts.gate_up_proj_bias[e].float()
+            h = clamped_swiglu(y[None], 1.702, 7.0)[0].bfloat16().float()
+            out[i, j] = w[i, j].float() * (w_dn @ h + experts.down_proj_bias[e].float())
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_mma_ptx_mxfp4_moe_at_120b_dims(tokens):
+    """The inline-PTX ``mma.sync`` kernels: every E2M1 code (bf16 subnormals included) and every lane's role in
+    the MMA fragments, against the same arithmetic in fp32 (1e-4: only the summation order differs), against
+    their plain-Triton path, and within bf16 tolerance of the all-fp32 reference."""
+    from replicas.kernels.moe import moe_reference
+    from replicas.kernels.triton_moe_tc import mxfp4_activations, triton_moe_tc
+
+    experts = Experts(torch.bfloat16, seed=tokens + 40)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, 4, generator=g, device="cuda"), -1).bfloat16()
+    args = (x, w, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.gate_up_proj_bias,
+            experts.down_proj_blocks, experts.down_proj_scales, experts.down_proj_bias, 1.702, 7.0)
+    same_math = _bf16_activations_reference(x, w, ids, experts)
+    scale = same_math.abs().max()
+    assert scale > 1
+    plain = triton_moe_tc(*args, ptx=False, x_mxfp4=mxfp4_activations(x))
+    assert ((plain - same_math).abs().max() / scale).item() < 1e-4
+    ref = moe_reference(x.float(), w.float(), ids, experts.as_fp32())
+    for warps, depth in ((1, 1), (2, 2), (4, 2), (8, 1), (8, 2)):
+        parts = triton_moe_tc(*args, num_warps=warps, depth=depth)
+        assert parts.shape == (tokens, 4, HIDDEN)
+        assert ((parts - same_math).abs().max() / scale).item() < 1e-4, (warps, depth)
+        assert ((parts.sum(1) - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+def test_decode_moe_glue_tc_matches_exact_gemv(monkeypatch):
+    """The decode step's MoE glue on bf16: the post-attention add+RMSNorm writes the tensor-core kernels'
+    activation format in the same launch (equal to the torch conversion), and the MoE layer through them
+    agrees with the exact fp32 SIMT kernels within bf16 tolerance."""
+    from types import SimpleNamespace
+
+    from replicas.kernels import moe as dispatch
+    from replicas.kernels.static_decode import add_rmsnorm
+    from replicas.kernels.triton_moe_tc import mxfp4_activations
+
+    experts = Experts(torch.bfloat16, seed=50)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    tokens = 3
+    res = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
+    delta = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
+    norm = SimpleNamespace(weight=(1 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).bfloat16(), eps=1e-5)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, 4, generator=g, device="cuda"), -1).bfloat16()
+    monkeypatch.setattr(dispatch, "MOE_KERNEL", "tc")
+    assert dispatch.moe_takes_mxfp4(res)
+    x, h, h_mx = add_rmsnorm(res, delta, norm, True, mxfp4_out=True)
+    assert torch.equal(h_mx, mxfp4_activations(h))
+    x_tc, _ = dispatch.moe_add_rmsnorm(h, w, ids, experts, x, norm, True, x_mxfp4=h_mx)
+    monkeypatch.setattr(dispatch, "MOE_KERNEL", "gemv")
+    assert not dispatch.moe_takes_mxfp4(res)
+    x_exact, _ = dispatch.moe_add_rmsnorm(h, w, ids, experts, x, norm, True)
+    moe_tc, moe_exact = x_tc.float() - x.float(), x_exact.float() - x.float()
+    assert moe_exact.abs().max() > 1
+    assert ((moe_tc - moe_exact).abs().max() / moe_exact.abs().max()).item() < 3e-2

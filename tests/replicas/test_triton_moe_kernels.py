@@ -17,6 +17,7 @@ from replicas.kernels.moe import moe_reference, router_topk_reference  # noqa: E
 from replicas.kernels.static_decode import add_rmsnorm_reference  # noqa: E402
 from replicas.kernels.triton_moe import triton_moe  # noqa: E402
 from replicas.kernels.triton_moe_gemv import triton_moe_gemv  # noqa: E402
+from replicas.kernels.triton_moe_tc import mxfp4_activations, triton_moe_tc  # noqa: E402
 from replicas.kernels.triton_rmsnorm import triton_add_rmsnorm  # noqa: E402
 from replicas.kernels.triton_router import triton_router_topk  # noqa: E402
 
@@ -154,3 +155,44 @@ def test_triton_dequantize_matches_torch_exactly(dtype):
     ours = triton_dequantize_mxfp4(blocks, scales, dtype, ptx=torch.cuda.is_available())
     assert ours.shape == (3, 37, 160) and ours.dtype == dtype
     assert torch.equal(ours, dequantize_mxfp4(blocks, scales, dtype))
+
+
+@pytest.mark.parametrize("tokens,k", [(1, 4), (2, 2)])
+def test_tensor_core_moe_plain_path_matches_reference(tokens, k):
+    """``triton_moe_tc``'s plain-Triton path (the interpreter cannot run its PTX; ``tests/gpu`` checks that):
+    block scales, the MMA activation format (times 2**64, permuted pairs), the masked last step of 4 blocks,
+    the fused SwiGLU written back in that format. bf16 activations and SwiGLU output: bf16 tolerance."""
+    hidden, inter, e = 160, 96, 8  # 5 and 3 blocks per row: the last step of 4 blocks is partly masked
+    experts = RandomExperts(e, hidden, inter, seed=tokens * 7 + k)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.softmax(torch.randn(tokens, k, generator=g), -1).to(DEVICE)
+    parts = triton_moe_tc(x, weights, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales,
+                          experts.gate_up_proj_bias, experts.down_proj_blocks, experts.down_proj_scales,
+                          experts.down_proj_bias, experts.alpha, experts.limit, ptx=False)
+    assert parts.shape == (tokens, k, hidden)
+    ref = moe_reference(x.float(), weights, ids, experts)
+    assert ref.abs().max() > 1
+    assert _rel_err(parts.sum(1), ref) < 2e-2
+
+
+def test_mxfp4_activations_format():
+    """Times 2**64 (exact: a power of two), within every 8 values the order 0, 4, 1, 5, 2, 6, 3, 7."""
+    x = torch.randn(2, 16).bfloat16()
+    mx = mxfp4_activations(x)
+    assert mx.dtype == torch.bfloat16 and mx.shape == x.shape
+    order = [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+    assert torch.equal(mx.float(), x.float()[:, order] * 2.0 ** 64)
+
+
+def test_add_rmsnorm_writes_the_mxfp4_activation_format():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 96, generator=g).to(DEVICE)
+    delta = torch.randn(2, 96, generator=g).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(96, generator=g)).to(DEVICE)
+    x_new, y, y_mx = triton_add_rmsnorm(x, delta, weight, 1e-5, True, mxfp4_out=True)
+    # one bf16 rounding apart at most: the CPU interpreter rounds fp32 -> bf16 toward zero (the GPU test
+    # checks bit equality)
+    torch.testing.assert_close(y_mx.float(), mxfp4_activations(y).float(), rtol=1e-2, atol=0)
+    assert torch.equal(y, triton_add_rmsnorm(x, delta, weight, 1e-5, True)[1])

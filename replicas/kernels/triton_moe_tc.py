@@ -1,0 +1,465 @@
+"""Triton kernels: MXFP4 MoE GEMV on the tensor cores through inline-PTX ``mma.sync`` (decode, few tokens).
+
+Why a fourth variant: the SIMT kernel (:mod:`replicas.kernels.triton_moe_gemv`)
+spends about 4.5 instructions per weight (3.25 to decode an E2M1 code into an
+fp32 bit pattern, one fp32 FMA, the activations' conversion), and at batch one
+on an H200 that instruction stream, not DRAM, is the limit (~1.46 TB/s). Here
+each code is decoded into a *bf16* bit pattern two at a time (about 1.9
+integer instructions per weight) and the multiply-adds run on the tensor cores
+(one ``mma.m16n8k16`` per 256 weights), accumulating in fp32.
+
+Layout contract (checked by ``tests/gpu``, relied on by the PTX). Each step
+loads bytes ``[R, 4, 16]`` (R rows, 4 consecutive 32-value blocks, 16 bytes per
+block) and Triton gives it its natural blocked layout: lanes ``t`` of a warp
+hold row ``8 * warp + t // 4`` (and the same row plus ``8 * num_warps``) and
+block ``t % 4``, 16 bytes each. That is exactly the ``mma.m16n8k16`` A-operand
+ownership (PTX ISA, "Matrix Fragments for mma.m16n8k16": lane ``t`` holds rows
+``t/4`` and ``t/4 + 8`` and the k-columns of its quad position ``t % 4``), so
+every lane feeds its own bytes into the MMA with no data movement. The four
+lanes of a quad hold four *different* blocks (four different E8M0 scales), so
+the B operand (the activations) is diagonal: lane ``t`` supplies its block's
+activations only in MMA column ``n = 2 * (t % 4)``, i.e. only lanes with
+``t // 4 == 2 * (t % 4)`` load them, the others read zeros. Column ``2q`` of the
+result is then block ``q``'s partial dot product, which lands in lane ``t``'s
+own accumulator ``c0`` (row ``t/4``) and ``c2`` (row ``t/4 + 8``): each lane
+ends with the partial sums of the very blocks it loaded, multiplies them by
+their scales in fp32 and accumulates. The row sum over blocks is one
+reduction over the quad at the end.
+
+Bit tricks (OCP MX v1.0 §5.3.3 for E2M1; bf16 is fp32's top half): a code's
+magnitude bits ``e1 e0 m`` on bf16 bits 8..6 and its sign on bit 15 read as the
+E2M1 value times ``2**-126`` (``e = 0`` gives bf16 subnormals, which the tensor
+cores take as they are: the GPU tests check every code). Two codes fill one
+bf16x2 register with two shifts, one mask and one ``lop3`` per code pair. The
+activations come pre-scaled by ``2**64`` (so no product underflows fp32) and
+pre-permuted into the same code pairs, written by the kernel that produces
+them (:func:`mxfp4_activations`): the gate_up kernel writes the down kernel's
+input that way, and :func:`~replicas.kernels.triton_rmsnorm.triton_add_rmsnorm`
+can write the gate_up input that way. Products of a bf16 code and a bf16
+activation are exact in fp32; the MMA sums them in fp32.
+
+Two launches per MoE layer, ``T`` tokens with ``K`` experts each (one (token,
+expert) pair per grid row), the same outputs as the SIMT kernels: gate_up
+(bias and GPT-OSS's clamped SwiGLU fused, ``h`` written as bf16 activations in
+the MMA format) and down (bias, times the routing weight, fp32 partials
+``[T, K, hidden]`` that :func:`~replicas.kernels.triton_rmsnorm.triton_add_rmsnorm`
+sums in a fixed order with the residual).
+
+Triton's CPU interpreter cannot run PTX: with ``PTX=False`` the kernels compute
+the same blocks' partial sums with plain Triton operations (for the CPU tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
+
+X_SHIFT = tl.constexpr(64)
+"""The activations are stored times ``2**X_SHIFT`` (exact in bf16: a power of two)."""
+X_SCALE = tl.constexpr(float(2 ** X_SHIFT.value))
+
+
+def _mma_asm() -> str:
+    """PTX for one lane and one step: 8 packed words (``$2..$5`` row a, ``$6..$9`` row b: its 32-value block
+    of each row) and the block's 32 activations as 16 bf16 pairs (``$10..$25``; zeros in lanes that supply no
+    B operand); 16 code pairs decoded per row, 8 MMAs; ``$0`` / ``$1``: the two rows' block partial sums
+    (unscaled)."""
+    lines = ["{", ".reg .b32 a<4>, e, s;", ".reg .f32 c<4>;",
+             "mov.b32 c0, 0f00000000; mov.b32 c1, 0f00000000; mov.b32 c2, 0f00000000; mov.b32 c3, 0f00000000;"]
+    # pair p of a word: codes (p, p + 4) of its 8; magnitude bits to bf16 bits 8..6 / 24..22, sign bit to
+    # 15 / 31 (shift of the magnitude, shift of the sign)
+    shifts = [("shl", 6, 12), ("shl", 2, 8), ("shr", 2, 4), ("shr", 6, 0)]
+
+    def pair(dst, word, p):
+        op, m, sgn = shifts[p]
+        out = [f"{op}.b32 e, {word}, {m};", "and.b32 e, e, 0x01C001C0;"]
+        if sgn:
+            out += [f"shl.b32 s, {word}, {sgn};", f"lop3.b32 {dst}, e, s, 0x80008000, 0xF8;"]
+        else:
+            out += [f"lop3.b32 {dst}, e, {word}, 0x80008000, 0xF8;"]
+        return out
+
+    for i in range(8):  # MMA i: word i // 2, pairs (0, 1) or (2, 3) as k-columns (2q, 2q+1) and (2q+8, 2q+9)
+        w, p0 = i // 2, 2 * (i % 2)
+        for reg, word, p in (("a0", f"${2 + w}", p0), ("a2", f"${2 + w}", p0 + 1),
+                             ("a1", f"${6 + w}", p0), ("a3", f"${6 + w}", p0 + 1)):
+            lines += pair(reg, word, p)
+        lines.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {c0, c1, c2, c3}, {a0, a1, a2, a3}, "
+                     f"{{${10 + 4 * w + p0}, ${10 + 4 * w + p0 + 1}}}, {{c0, c1, c2, c3}};")
+    lines += ["mov.b32 $0, c0;", "mov.b32 $1, c2;", "}"]
+    return "\n".join(lines)
+
+
+_MMA_ASM = tl.constexpr(_mma_asm())
+_MMA_CONSTRAINTS = tl.constexpr("=r,=r," + ",".join(["r"] * 24))
+
+_LOAD_ASM = tl.constexpr("""
+ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$26];
+ld.global.nc.v4.b32 {$4, $5, $6, $7}, [$27];
+ld.global.nc.u8 $8, [$28];
+ld.global.nc.u8 $9, [$29];
+ld.global.nc.v4.b32 {$10, $11, $12, $13}, [$30];
+ld.global.nc.v4.b32 {$14, $15, $16, $17}, [$30+16];
+ld.global.nc.v4.b32 {$18, $19, $20, $21}, [$30+32];
+ld.global.nc.v4.b32 {$22, $23, $24, $25}, [$30+48];
+""")
+"""One lane's step, all its loads issued together: the 16 packed bytes of its block in row a (``$26``) and
+row b (``$27``), the two scales (``$28``, ``$29``), the block's 32 activations (``$30``, 64 bytes)."""
+_LOAD_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 26) + ",l,l,l,l,l")
+
+_PREFETCH_ASM = tl.constexpr("""
+{
+.reg .pred p;
+setp.ne.s32 p, $1, 0;
+@p cp.async.bulk.prefetch.L2.global [$2], $4;
+@p cp.async.bulk.prefetch.L2.global [$3], $4;
+@p cp.async.bulk.prefetch.L2.global [$5], $7;
+@p cp.async.bulk.prefetch.L2.global [$6], $7;
+mov.b32 $0, 0;
+}
+""")
+"""If ``$1``: bring two packed rows (``$2``, ``$3``, ``$4`` bytes each) and their scale rows (``$5``, ``$6``, ``$7``
+bytes each, widened to 16-byte bounds) into L2 with Hopper's bulk prefetch (``cp.async.bulk.prefetch``), so
+a warp's whole working set is requested from DRAM at once."""
+
+_QUAD_SUM_ASM = tl.constexpr("""
+{
+.reg .f32 t, u;
+shfl.sync.bfly.b32 t, $1, 1, 0x1f, 0xffffffff;
+add.f32 u, $1, t;
+shfl.sync.bfly.b32 t, u, 2, 0x1f, 0xffffffff;
+add.f32 $0, u, t;
+}
+""")
+"""The sum over the four lanes of a quad (``t ^ 1``, ``t ^ 2``): a row's partial sums over its blocks."""
+
+
+@triton.jit
+def _thread_ids(NT: tl.constexpr):
+    """``[NT]`` int32: each thread's ``%tid.x`` (one element per thread: NT = 32 * num_warps)."""
+    return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [tl.zeros([NT], tl.int32)], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _lane_load(row_a, row_b, srow_a, srow_b, q, supplier, x_ptr, zero_ptr, i, G: tl.constexpr):
+    """Issue step ``i``'s loads for this lane (block ``g = 4 i + q``; past the row's end a valid block is
+    re-read and the activations come from the zero buffer, so the block adds nothing)."""
+    g = 4 * i + q
+    ok = g < G
+    gc = tl.minimum(g, G - 1)
+    xp = tl.where(supplier & ok, x_ptr + 128 * i, zero_ptr)
+    return tl.inline_asm_elementwise(_LOAD_ASM, _LOAD_CONSTRAINTS,
+                                     [(row_a + gc * 16).to(tl.int64), (row_b + gc * 16).to(tl.int64),
+                                      (srow_a + gc).to(tl.int64), (srow_b + gc).to(tl.int64), xp.to(tl.int64)],
+                                     dtype=(tl.int32,) * 26, is_pure=True, pack=1)
+
+
+@triton.jit
+def _lane_math(v, acc_a, acc_b):
+    """Step math for one lane: 8 MMAs over its loaded block ``v`` (``_lane_load``'s 26 registers), the two
+    block sums times their scales ``2**(s - 127)`` (and the ``2**-62`` of the encodings) into the fp32
+    accumulators."""
+    c_a, c_b = tl.inline_asm_elementwise(
+        _MMA_ASM, _MMA_CONSTRAINTS,
+        [v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[10], v[11], v[12], v[13], v[14], v[15], v[16], v[17],
+         v[18], v[19], v[20], v[21], v[22], v[23], v[24], v[25]],
+        dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    acc_a += c_a * ((v[8] + (126 - X_SHIFT)) << 23).to(tl.float32, bitcast=True)  # 2**(s-127+126-64)
+    acc_b += c_b * ((v[9] + (126 - X_SHIFT)) << 23).to(tl.float32, bitcast=True)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _lane_rows_dot(row_a, row_b, srow_a, srow_b, q, kw, supplier, x_ptr, zero_ptr, G: tl.constexpr,
+                   KW: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr):
+    """Inline-PTX path, one element per thread: this lane's rows ``a`` and ``b`` (byte pointers of their
+    block 0, scale pointers likewise) · the activations in the MMA format at ``x_ptr`` (times 2**64; this
+    lane's block 0; lanes that are not a ``supplier`` of the B operand read ``zero_ptr``), over the steps
+    ``kw, kw + KW, ...`` of this lane's warp (``KW`` warps split the row) and the blocks ``4 step + q`` of its
+    quad position ``q``. Returns the two rows' sums over those blocks (fp32, the same in all four lanes of
+    the quad). Loads run ``DEPTH`` (1 or 2) steps ahead of the MMAs; with ``PREFETCH`` the rows are first
+    requested into L2 whole."""
+    NS: tl.constexpr = (G + 3) // 4
+    NL: tl.constexpr = (NS + KW - 1) // KW
+    if PREFETCH:  # one lane per row pair (quad position 0 of warp 0) requests both rows into L2
+        sa = srow_a.to(tl.int64) & -16  # 16-byte bounds around the G scale bytes
+        sb = srow_b.to(tl.int64) & -16
+        span = (((srow_a + G).to(tl.int64) + 15) & -16) - sa
+        span = tl.maximum(span, (((srow_b + G).to(tl.int64) + 15) & -16) - sb).to(tl.int32)
+        tl.inline_asm_elementwise(
+            _PREFETCH_ASM, "=r,r,l,l,r,l,l,r",
+            [((q == 0) & (kw == 0)).to(tl.int32), row_a.to(tl.int64), row_b.to(tl.int64),
+             tl.full(q.shape, 16 * G, tl.int32), sa, sb, span], dtype=tl.int32, is_pure=False, pack=1)
+    acc_a = tl.zeros(q.shape, tl.float32)
+    acc_b = tl.zeros(q.shape, tl.float32)
+    cur = _lane_load(row_a, row_b, srow_a, srow_b, q, supplier, x_ptr, zero_ptr, kw, G)
+    if DEPTH == 2 and NL > 1:
+        nxt = _lane_load(row_a, row_b, srow_a, srow_b, q, supplier, x_ptr, zero_ptr, KW + kw, G)
+    for ii in tl.static_range(NL):
+        if ii + DEPTH < NL:
+            new = _lane_load(row_a, row_b, srow_a, srow_b, q, supplier, x_ptr, zero_ptr, (ii + DEPTH) * KW + kw, G)
+        acc_a, acc_b = _lane_math(cur, acc_a, acc_b)
+        if DEPTH == 2:
+            if ii + 1 < NL:
+                cur = nxt
+            if ii + 2 < NL:
+                nxt = new
+        else:
+            if ii + 1 < NL:
+                cur = new
+    y_a = tl.inline_asm_elementwise(_QUAD_SUM_ASM, "=r,r", [acc_a], dtype=tl.float32, is_pure=True, pack=1)
+    y_b = tl.inline_asm_elementwise(_QUAD_SUM_ASM, "=r,r", [acc_b], dtype=tl.float32, is_pure=True, pack=1)
+    return y_a, y_b
+
+
+@triton.jit
+def _unpermuted_x(xa_ptr, g, G: tl.constexpr):
+    """Plain-Triton path: activations ``[GB, 16]`` of the even and of the odd codes of blocks ``g``, in code
+    order, read from the MMA format (code ``c`` of a block at ``8(c//8) + 2(c%4) + (c%8)//4``)."""
+    j = tl.arange(0, 16)
+    even, odd = 2 * j, 2 * j + 1
+    pe = 8 * (even // 8) + 2 * (even % 4) + (even % 8) // 4
+    po = 8 * (odd // 8) + 2 * (odd % 4) + (odd % 8) // 4
+    ok = (g < G)[:, None]
+    xe = tl.load(xa_ptr + g[:, None] * 32 + pe[None, :], mask=ok, other=0.0).to(tl.float32)
+    xo = tl.load(xa_ptr + g[:, None] * 32 + po[None, :], mask=ok, other=0.0).to(tl.float32)
+    return xe, xo
+
+
+@triton.jit
+def _load_step(row_ptr, srow_ptr, row_ok, g0, G: tl.constexpr):
+    """Blocks ``g0 .. g0+3`` of the rows: packed bytes ``[R, 4, 16]`` and E8M0 scales ``[R, 4]`` (zeros past
+    the row's end)."""
+    g = g0 + tl.arange(0, 4)
+    c = tl.arange(0, 16)
+    b = tl.load(row_ptr[:, None, None] + g[None, :, None] * 16 + c[None, None, :],
+                mask=row_ok[:, None, None] & (g < G)[None, :, None], other=0)
+    s = tl.load(srow_ptr[:, None] + g[None, :], mask=row_ok[:, None] & (g < G)[None, :], other=0)
+    return b, s
+
+
+@triton.jit
+def _step_partials(b, xa_ptr, g0, G: tl.constexpr):
+    """Plain-Triton path: ``[R, 4]`` fp32, bytes ``b`` ``[R, 4, 16]`` of blocks ``g0 .. g0+3`` · their
+    activations (unscaled: codes times 2**-126, activations times 2**64)."""
+    xe, xo = _unpermuted_x(xa_ptr, g0 + tl.arange(0, 4), G)
+    ci = b.to(tl.int32)
+    lo = (((ci & 7) << 22) | ((ci & 8) << 28)).to(tl.float32, bitcast=True)
+    hi = (((ci & 0x70) << 18) | ((ci & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
+
+
+@triton.jit
+def _rows_dot_plain(row_ptr, srow_ptr, row_ok, xa_ptr, G: tl.constexpr):
+    """Plain-Triton path: ``[R]`` fp32, packed rows (``row_ptr``/``srow_ptr`` ``[R]`` byte pointers) · the
+    activations in the MMA format at ``xa_ptr`` (times 2**64)."""
+    NS: tl.constexpr = (G + 3) // 4
+    acc = tl.zeros([row_ptr.shape[0], 4], tl.float32)
+    b, s = _load_step(row_ptr, srow_ptr, row_ok, 0, G)
+    for i in tl.static_range(NS):
+        if i + 1 < NS:
+            b_next, s_next = _load_step(row_ptr, srow_ptr, row_ok, 4 * (i + 1), G)
+        part = _step_partials(b, xa_ptr, 4 * i, G)
+        acc += part * ((s.to(tl.int32) + (126 - X_SHIFT)) << 23).to(tl.float32, bitcast=True)  # 2**(s-127+126-64)
+        if i + 1 < NS:
+            b, s = b_next, s_next
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _lanes(W: tl.constexpr):
+    """Per thread (``[32 * W]``, one element each): its warp ``kw`` (which steps of the row it takes), quad
+    position ``q = lane % 4`` (which block of a step), quad ``r8 = lane // 4`` (which rows) and whether it
+    supplies the MMA's B operand (``r8 == 2 q``)."""
+    tid = _thread_ids(32 * W)
+    lane = tid % 32
+    q = lane % 4
+    r8 = lane // 4
+    return tid // 32, q, r8, r8 == 2 * q
+
+
+@triton.jit
+def _warp_sum(y, W: tl.constexpr):
+    """``[32 * W]`` per-thread values → ``[32]``: element ``l`` sums lane ``l`` of every warp (the warps
+    split the row's blocks). Element ``i`` of a ``[32 * W]`` tensor lives in thread ``i``."""
+    return tl.sum(tl.reshape(y, [W, 32]), axis=0)
+
+
+@triton.jit
+def _gate_up_tc_kernel(
+    xa_ptr, ids_ptr, blocks_ptr, scales_ptr, bias_ptr, ha_ptr, zero_ptr,
+    stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_xa, stride_ha,
+    INTER, alpha, limit,
+    K: tl.constexpr, G: tl.constexpr, W: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """Grid ``(pairs, cdiv(I, 8))``: ``h[pair, j] = swiglu(W_gu[e] x + b)`` for 8 outputs ``j`` (rows ``2j``,
+    gate, and ``2j + 1``, up), written in the MMA activation format (bf16, times 2**64, code pairs
+    permuted). The ``W`` warps split the rows' blocks."""
+    pair = tl.program_id(0)
+    token = pair // K
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    blocks = blocks_ptr + e * stride_be
+    scales = scales_ptr + e * stride_se
+    x_row = xa_ptr + token * stride_xa
+    if PTX:
+        kw, q, r8, supplier = _lanes(W)
+        jc = tl.minimum(tl.program_id(1) * 8 + r8, INTER - 1).to(tl.int64)  # lane rows: gate 2j, up 2j + 1
+        gate, up = _lane_rows_dot(blocks + 2 * jc * stride_br, blocks + (2 * jc + 1) * stride_br,
+                                  scales + 2 * jc * stride_sr, scales + (2 * jc + 1) * stride_sr,
+                                  q, kw, supplier, x_row + q * 32, zero_ptr, G, W, DEPTH, PREFETCH)
+        gate, up = _warp_sum(gate, W), _warp_sum(up, W)
+        lane = tl.arange(0, 32)
+        j = tl.program_id(1) * 8 + lane // 4
+        jc = tl.minimum(j, INTER - 1)
+        gate += tl.load(bias_ptr + e * stride_bias + 2 * jc).to(tl.float32)
+        up += tl.load(bias_ptr + e * stride_bias + 2 * jc + 1).to(tl.float32)
+        keep = (lane % 4 == 0) & (j < INTER)
+    else:
+        rows = tl.program_id(1) * 16 + tl.arange(0, 16)  # gate 2j, up 2j + 1, interleaved
+        row_ok = rows < 2 * INTER
+        y = _rows_dot_plain(blocks + rows.to(tl.int64) * stride_br, scales + rows.to(tl.int64) * stride_sr,
+                            row_ok, x_row, G)
+        y += tl.load(bias_ptr + e * stride_bias + rows, mask=row_ok, other=0.0).to(tl.float32)
+        gate, up = tl.split(tl.reshape(y, [8, 2]))
+        j = tl.program_id(1) * 8 + tl.arange(0, 8)
+        keep = j < INTER
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = (up + 1.0) * gate * tl.sigmoid(gate * alpha) * X_SCALE
+    pos = 8 * (j // 8) + 2 * (j % 4) + (j % 8) // 4
+    tl.store(ha_ptr + pair * stride_ha + pos, h.to(tl.bfloat16), mask=keep)
+
+
+@triton.jit
+def _down_tc_kernel(
+    ha_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr, part_ptr, zero_ptr,
+    stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_ha, HIDDEN,
+    G: tl.constexpr, W: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr, PTX: tl.constexpr,
+):
+    """Grid ``(pairs, cdiv(hidden, 16))``: ``part[pair, r] = w_pair * (W_d[e] h_pair + b)[r]`` for 16 rows;
+    the ``W`` warps split the rows' blocks."""
+    pair = tl.program_id(0)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    w = tl.load(w_ptr + pair).to(tl.float32)
+    blocks = blocks_ptr + e * stride_be
+    scales = scales_ptr + e * stride_se
+    x_row = ha_ptr + pair * stride_ha
+    bias = bias_ptr + e * stride_bias
+    out = part_ptr + pair * HIDDEN
+    if PTX:
+        kw, q, r8, supplier = _lanes(W)
+        ca = tl.minimum(tl.program_id(1) * 16 + r8, HIDDEN - 1).to(tl.int64)  # lane rows a and a + 8
+        cb = tl.minimum(tl.program_id(1) * 16 + r8 + 8, HIDDEN - 1).to(tl.int64)
+        y_a, y_b = _lane_rows_dot(blocks + ca * stride_br, blocks + cb * stride_br, scales + ca * stride_sr,
+                                  scales + cb * stride_sr, q, kw, supplier, x_row + q * 32, zero_ptr, G, W, DEPTH, PREFETCH)
+        y_a, y_b = _warp_sum(y_a, W), _warp_sum(y_b, W)
+        lane = tl.arange(0, 32)
+        r_a = tl.program_id(1) * 16 + lane // 4
+        r_b = r_a + 8
+        ca = tl.minimum(r_a, HIDDEN - 1)
+        cb = tl.minimum(r_b, HIDDEN - 1)
+        tl.store(out + r_a, w * (y_a + tl.load(bias + ca).to(tl.float32)), mask=(lane % 4 == 0) & (r_a < HIDDEN))
+        tl.store(out + r_b, w * (y_b + tl.load(bias + cb).to(tl.float32)), mask=(lane % 4 == 0) & (r_b < HIDDEN))
+    else:
+        r = tl.program_id(1) * 16 + tl.arange(0, 16)
+        r_ok = r < HIDDEN
+        y = _rows_dot_plain(blocks + r.to(tl.int64) * stride_br, scales + r.to(tl.int64) * stride_sr, r_ok,
+                            x_row, G)
+        y += tl.load(bias + r, mask=r_ok, other=0.0).to(tl.float32)
+        tl.store(out + r, w * y, mask=r_ok)
+
+
+def mxfp4_activations(x: torch.Tensor) -> torch.Tensor:
+    """Activations ``x`` ``[T, n]`` → the MMA format ``[T, n]`` bf16: times ``2**64``, within every 8 values
+    the order ``0, 4, 1, 5, 2, 6, 3, 7`` (the decoder's code pairs).
+
+    Torch reference of what :func:`~replicas.kernels.triton_rmsnorm.triton_add_rmsnorm` writes with
+    ``mxfp4_out``; ``n`` must be a multiple of 8."""
+    t, n = x.shape
+    y = (x.float() * X_SCALE.value).view(t, n // 8, 2, 4).transpose(2, 3).reshape(t, n)
+    return y.to(torch.bfloat16)
+
+
+_ZEROS: dict[torch.device, torch.Tensor] = {}
+
+
+def _zeros(device: torch.device) -> torch.Tensor:
+    """64 zero bytes on ``device``: where the MMA's non-supplying lanes read their activations."""
+    if device not in _ZEROS:
+        _ZEROS[device] = torch.zeros(32, dtype=torch.bfloat16, device=device)
+    return _ZEROS[device]
+
+
+def triton_moe_tc(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
+    down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
+    alpha: float, limit: float, x_mxfp4: torch.Tensor | None = None, num_warps: int = 4,
+    down_num_warps: int | None = None, depth: int = 1, prefetch: bool = False,
+    ptx: bool | None = None,
+) -> torch.Tensor:
+    """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches).
+
+    Args:
+        x: ``[T, hidden]`` activations (bf16 or fp16; rounded to bf16); weights: ``[T, K]`` routing weights;
+            ids: ``[T, K]`` int expert ids (on the device: no host sync, capturable).
+        gate_up_blocks: uint8 ``[E, 2I, hidden/32, 16]``, gate_up_scales: uint8 ``[E, 2I, hidden/32]``,
+            gate_up_bias ``[E, 2I]`` (rows interleaved: ``2j`` gate, ``2j+1`` up).
+        down_blocks: uint8 ``[E, hidden, I/32, 16]``, down_scales: uint8 ``[E, hidden, I/32]``,
+            down_bias ``[E, hidden]``.
+        alpha, limit: the clamped SwiGLU's constants (GPT-OSS: 1.702, 7.0).
+        x_mxfp4: ``x`` already in the MMA format (:func:`mxfp4_activations`), e.g. written by the
+            add+RMSNorm launch that produced ``x``; computed here (torch ops) when None.
+        num_warps: per program (16 rows); the warps split the rows' 32-value blocks. down_num_warps: the
+            down launch's (default: ``num_warps``). Defaults: the fastest of ``python -m ops.bench_kernels
+            --kernels tc`` on an H200 at gpt-oss-120b's shape.
+        depth: steps of loads in flight ahead of the MMAs (1 or 2).
+        prefetch: request each program's rows into L2 whole before the loop (``cp.async.bulk.prefetch``;
+            measured slower on an H200, kept for the benchmark's record).
+        ptx: the inline-PTX tensor-core path (default: on CUDA); False runs plain Triton (interpreter).
+
+    Returns:
+        ``[T, K, hidden]`` fp32; ``x + out.sum(1)`` (in order) is the MoE layer with its residual.
+
+    Raises:
+        ValueError: packed tensors not contiguous uint8 ``[..., G, 16]``, or widths not multiples of 32.
+    """
+    t, hidden = x.shape
+    k = ids.shape[1]
+    inter = gate_up_blocks.shape[1] // 2
+    for name, tensor in (("gate_up_blocks", gate_up_blocks), ("down_blocks", down_blocks)):
+        if tensor.dtype != torch.uint8 or tensor.shape[-1] != BYTES_PER_BLOCK or not tensor.is_contiguous():
+            raise ValueError(f"{name}: expected contiguous uint8 [..., G, {BYTES_PER_BLOCK}], got "
+                             f"{tensor.dtype} {tuple(tensor.shape)}")
+    if hidden % BLOCK_SIZE or inter % BLOCK_SIZE:
+        raise ValueError(f"hidden ({hidden}) and expert width ({inter}) must be multiples of {BLOCK_SIZE}")
+    if ptx is None:
+        ptx = x.is_cuda and not torch.version.hip
+    if x_mxfp4 is None:
+        x_mxfp4 = mxfp4_activations(x)
+    pairs = t * k
+    ids, weights = ids.contiguous(), weights.contiguous()
+    zero = _zeros(x.device)
+    h = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
+    _gate_up_tc_kernel[(pairs, triton.cdiv(inter, 8))](
+        x_mxfp4, ids, gate_up_blocks, gate_up_scales, gate_up_bias, h, zero,
+        gate_up_blocks.stride(0), gate_up_blocks.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
+        gate_up_bias.stride(0), x_mxfp4.stride(0), h.stride(0), inter, alpha, limit,
+        K=k, G=hidden // BLOCK_SIZE, W=num_warps, DEPTH=depth, PREFETCH=prefetch, PTX=ptx,
+        num_warps=num_warps,
+    )
+    out = torch.empty(t, k, hidden, dtype=torch.float32, device=x.device)
+    down_warps = down_num_warps or num_warps
+    _down_tc_kernel[(pairs, triton.cdiv(hidden, 16))](
+        h, ids, weights, down_blocks, down_scales, down_bias, out, zero,
+        down_blocks.stride(0), down_blocks.stride(1), down_scales.stride(0), down_scales.stride(1),
+        down_bias.stride(0), h.stride(0), hidden,
+        G=inter // BLOCK_SIZE, W=down_warps, DEPTH=depth, PREFETCH=prefetch, PTX=ptx,
+        num_warps=down_warps,
+    )
+    return out
