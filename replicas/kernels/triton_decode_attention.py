@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from replicas.kernels.paged_attention import PAGE_SIZE
+from replicas.kernels.pdl import pdl_args, pdl_wait
 
 TOKENS_PER_ITER = 64
 """Keys per inner iteration: four 16-token pages gathered into one tile."""
@@ -32,11 +33,12 @@ def _split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
     scale, stride_kb, stride_kt, stride_kh, num_splits, window, stride_tb, num_kvh, stride_ctx,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)
+    pdl_wait(PDL)  # the query and this step's K/V come from the RoPE + KV-write launch
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     offs_t = tl.arange(0, BLOCK)
@@ -81,12 +83,14 @@ def _split_kernel(
 def _merge_kernel(
     part_m_ptr, part_l_ptr, part_o_ptr, sinks_ptr, out_ptr, num_splits, num_kvh,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLITS_P: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(KVH, G, B)``: one query head per program; all its splits' partials loaded at once (one
     round trip to memory instead of one per split)."""
     kvh = tl.program_id(0)
     g = tl.program_id(1)
     seq = tl.program_id(2)
+    pdl_wait(PDL)
     offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.arange(0, D)
     s_mask = offs_s < num_splits
@@ -148,10 +152,11 @@ def triton_decode_attention(
         scale, key_plane.stride(0), key_plane.stride(1), key_plane.stride(2), num_splits,
         sliding_window or 0, block_table.stride(0), kvh, context_len.stride(0),
         G=group, GP=gp, D=head_dim, PAGE=PAGE_SIZE, BLOCK=TOKENS_PER_ITER, HAS_WINDOW=sliding_window is not None,
-        PRECISION="ieee" if query.dtype == torch.float32 else None,
+        PRECISION="ieee" if query.dtype == torch.float32 else None, **pdl_args(q),
     )
     _merge_kernel[(kvh, group, batch)](
         ws["m"], ws["l"], ws["o"], sinks if sinks is not None else q, out, num_splits, kvh,
         G=group, GP=gp, D=head_dim, SPLITS_P=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
+        **pdl_args(q),
     )
     return out

@@ -20,17 +20,20 @@ import torch
 import triton
 import triton.language as tl
 
+from replicas.kernels.pdl import pdl_args, pdl_wait
+
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
-                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     """Grid ``(cdiv(N, BN),)``: ``y[n] = sum_k W[n, k] x[k] (+ b[n])`` for ``BN`` rows, ``BK`` columns a step."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     k = tl.arange(0, BK)
     NS: tl.constexpr = (K + BK - 1) // BK
-    w = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+    w = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)  # weights: before the wait
+    pdl_wait(PDL)
     x = tl.load(x_ptr + k, mask=k < K, other=0.0)
     for i in tl.static_range(NS):
         if i + 1 < NS:
@@ -76,6 +79,6 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(), weight, bias if bias is not None else weight, y, n, weight.stride(0),
         K=k, BN=block_n, BK=min(block_k, triton.next_power_of_2(k)), HAS_BIAS=bias is not None,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_args(x),
     )
     return y

@@ -55,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from replicas.kernels.pdl import pdl_args, pdl_wait
 from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
 
 X_SHIFT = tl.constexpr(64)
@@ -101,13 +102,15 @@ ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$26];
 ld.global.nc.v4.b32 {$4, $5, $6, $7}, [$27];
 ld.global.nc.u8 $8, [$28];
 ld.global.nc.u8 $9, [$29];
-ld.global.nc.v4.b32 {$10, $11, $12, $13}, [$30];
-ld.global.nc.v4.b32 {$14, $15, $16, $17}, [$30+16];
-ld.global.nc.v4.b32 {$18, $19, $20, $21}, [$30+32];
-ld.global.nc.v4.b32 {$22, $23, $24, $25}, [$30+48];
+ld.global.v4.b32 {$10, $11, $12, $13}, [$30];
+ld.global.v4.b32 {$14, $15, $16, $17}, [$30+16];
+ld.global.v4.b32 {$18, $19, $20, $21}, [$30+32];
+ld.global.v4.b32 {$22, $23, $24, $25}, [$30+48];
 """)
 """One lane's step, all its loads issued together: the 16 packed bytes of its block in row a (``$26``) and
-row b (``$27``), the two scales (``$28``, ``$29``), the block's 32 activations (``$30``, 64 bytes)."""
+row b (``$27``), the two scales (``$28``, ``$29``), the block's 32 activations (``$30``, 64 bytes). Weights
+go through the read-only path (``.nc``); the activations, written by the launch before (which may still be
+running when this one starts, under programmatic dependent launch), do not."""
 _LOAD_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 26) + ",l,l,l,l,l")
 
 _PREFETCH_ASM = tl.constexpr("""
@@ -295,13 +298,14 @@ def _gate_up_tc_kernel(
     stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_xa, stride_ha,
     INTER, alpha, limit,
     K: tl.constexpr, G: tl.constexpr, W: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(pairs, cdiv(I, 8))``: ``h[pair, j] = swiglu(W_gu[e] x + b)`` for 8 outputs ``j`` (rows ``2j``,
     gate, and ``2j + 1``, up), written in the MMA activation format (bf16, times 2**64, code pairs
     permuted). The ``W`` warps split the rows' blocks."""
     pair = tl.program_id(0)
     token = pair // K
+    pdl_wait(PDL)  # the expert ids come from the launch just before
     e = tl.load(ids_ptr + pair).to(tl.int64)
     blocks = blocks_ptr + e * stride_be
     scales = scales_ptr + e * stride_se
@@ -340,12 +344,14 @@ def _down_tc_kernel(
     ha_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr, part_ptr, zero_ptr,
     stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_ha, HIDDEN,
     G: tl.constexpr, W: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr, PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(pairs, cdiv(hidden, 16))``: ``part[pair, r] = w_pair * (W_d[e] h_pair + b)[r]`` for 16 rows;
     the ``W`` warps split the rows' blocks."""
     pair = tl.program_id(0)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
+    e = tl.load(ids_ptr + pair).to(tl.int64)  # routing: two launches back (see replicas.kernels.pdl)
     w = tl.load(w_ptr + pair).to(tl.float32)
+    pdl_wait(PDL)
     blocks = blocks_ptr + e * stride_be
     scales = scales_ptr + e * stride_se
     x_row = ha_ptr + pair * stride_ha
@@ -451,7 +457,7 @@ def triton_moe_tc(
         gate_up_blocks.stride(0), gate_up_blocks.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
         gate_up_bias.stride(0), x_mxfp4.stride(0), h.stride(0), inter, alpha, limit,
         K=k, G=hidden // BLOCK_SIZE, W=num_warps, DEPTH=depth, PREFETCH=prefetch, PTX=ptx,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_args(x),
     )
     out = torch.empty(t, k, hidden, dtype=torch.float32, device=x.device)
     down_warps = down_num_warps or num_warps
@@ -460,6 +466,6 @@ def triton_moe_tc(
         down_blocks.stride(0), down_blocks.stride(1), down_scales.stride(0), down_scales.stride(1),
         down_bias.stride(0), h.stride(0), hidden,
         G=inter // BLOCK_SIZE, W=down_warps, DEPTH=depth, PREFETCH=prefetch, PTX=ptx,
-        num_warps=down_warps,
+        num_warps=down_warps, **pdl_args(x),
     )
     return out

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from replicas.kernels.pdl import pdl_args, pdl_wait
+
 MX_SCALE = tl.constexpr(2.0 ** 64)
 """``replicas.kernels.triton_moe_tc.X_SHIFT``: the MMA-format activations are stored times 2**64."""
 
@@ -22,10 +24,12 @@ MX_SCALE = tl.constexpr(2.0 ** 64)
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, y_ptr, ymx_ptr, N, eps,
                         BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, WEIGHT_FP32: tl.constexpr,
-                        NPART: tl.constexpr, MXFP4_OUT: tl.constexpr):
+                        NPART: tl.constexpr, MXFP4_OUT: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)  # a weight: may be read before the wait
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
     if NPART > 0:  # delta: [T, NPART, N] fp32 partial sums, added in order in fp32, rounded once
         acc = x.to(tl.float32)
@@ -38,7 +42,6 @@ def _add_rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, y_ptr, ymx_ptr, N, e
         tl.store(x_out_ptr + row * N + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     if WEIGHT_FP32:
         y = w.to(tl.float32) * (xf * inv)
     else:
@@ -76,5 +79,5 @@ def triton_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torc
     # warps to keep many loads in flight (16 warps at GPT-OSS's 2880: 3.8 -> 2.4 us per launch on an H200)
     _add_rmsnorm_kernel[(t,)](x, delta.contiguous() if delta is not None else x, weight, x_out, y, y_mx, n, eps,
                               BLOCK=block, HAS_DELTA=delta is not None, WEIGHT_FP32=weight_in_fp32, NPART=npart,
-                              MXFP4_OUT=mxfp4_out, num_warps=min(16, max(4, block // 256)))
+                              MXFP4_OUT=mxfp4_out, num_warps=min(16, max(4, block // 256)), **pdl_args(x))
     return (x_out, y, y_mx) if mxfp4_out else (x_out, y)

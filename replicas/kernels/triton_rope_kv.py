@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from replicas.kernels.paged_attention import PAGE_SIZE
+from replicas.kernels.pdl import pdl_args, pdl_wait
 
 
 @triton.jit
@@ -21,9 +22,11 @@ def _rope_kv_kernel(
     qkv_ptr, cos_ptr, sin_ptr, pos_ptr, table_ptr, q_out_ptr, k_ptr, v_ptr,
     stride_cos, stride_kb, stride_kt, stride_kh, stride_tb, stride_pos,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     h = tl.program_id(0)
     seq = tl.program_id(1)
+    pdl_wait(PDL)  # everything below reads the qkv GEMV's output
     qkv_ptr += seq * (H + 2 * KVH) * D
     q_out_ptr += seq * H * D
     table_ptr += seq * stride_tb
@@ -76,6 +79,7 @@ def triton_rope_kv(
         qkv.contiguous(), cos, sin, position, block_table, q, key_plane, value_plane,
         cos.stride(0), key_plane.stride(0), key_plane.stride(1), key_plane.stride(2), block_table.stride(0),
         position.stride(0), H=num_heads, KVH=num_kv_heads, D=head_dim, HALF=head_dim // 2, PAGE=PAGE_SIZE,
+        **pdl_args(qkv),
     )
     return q
 

@@ -16,10 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
+from replicas.kernels.pdl import pdl_args, pdl_wait
+
 
 @triton.jit
-def _router_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr):
+def _router_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
+                        PDL: tl.constexpr):
     token = tl.program_id(0)
+    pdl_wait(PDL)
     offs = tl.arange(0, EP)
     vals = tl.load(logits_ptr + token * E + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
     offs_k = tl.arange(0, KP)
@@ -55,5 +59,5 @@ def triton_router_topk(logits: torch.Tensor, k: int, weight_dtype: torch.dtype) 
     w = torch.empty(t, k, dtype=weight_dtype, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
     _router_topk_kernel[(t,)](logits, w, ids, e, K=k, EP=triton.next_power_of_2(e),
-                              KP=triton.next_power_of_2(k))
+                              KP=triton.next_power_of_2(k), **pdl_args(logits))
     return w, ids

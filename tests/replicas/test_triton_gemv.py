@@ -41,3 +41,11 @@ def test_gemv_reads_a_row_view_of_a_larger_weight():
 def test_gemv_rejects_batches():
     with pytest.raises(ValueError, match="expected x"):
         triton_gemv(torch.zeros(2, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE))
+
+
+def test_programmatic_dependent_launch_is_off_off_the_gpu():
+    """The Triton interpreter and CPU tensors launch without PDL (``replicas.kernels.pdl``; the GPU tests run
+    every decode kernel with it on)."""
+    from replicas.kernels.pdl import pdl_args
+
+    assert pdl_args(torch.zeros(1)) == {"PDL": False}
