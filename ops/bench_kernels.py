@@ -79,8 +79,8 @@ MOE_FAMILIES = {
              "triton_moe_gemv", {"block_j": (2, 4, 8), "block_r": (4, 8, 16), "blocks_per_step": (8, 16, 32),
                                  "num_warps": (2, 4)}),
     "tc": ("tensor-core kernels, inline-PTX mma.sync (triton_moe_tc, 2 launches)", "replicas.kernels.triton_moe_tc",
-           "triton_moe_tc", {"num_warps": (4, 8), "down_num_warps": (2, 4, 8), "depth": (1, 2),
-                              "prefetch": (False, True)}),
+           "triton_moe_tc", {"num_warps": (4,), "down_num_warps": (4, 8), "depth": (1,), "down_depth": (1, 2),
+                              "pairs": (1, 2), "down_pairs": (1, 2)}),
 }
 """MoE kernel families: (title, module, function, tile grid swept)."""
 

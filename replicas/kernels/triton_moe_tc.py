@@ -51,6 +51,8 @@ the same blocks' partial sums with plain Triton operations (for the CPU tests).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -128,6 +130,16 @@ mov.b32 $0, 0;
 bytes each, widened to 16-byte bounds) into L2 with Hopper's bulk prefetch (``cp.async.bulk.prefetch``), so
 a warp's whole working set is requested from DRAM at once."""
 
+_LOAD_W_ASM = tl.constexpr("""
+ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$10];
+ld.global.nc.v4.b32 {$4, $5, $6, $7}, [$11];
+ld.global.nc.u8 $8, [$12];
+ld.global.nc.u8 $9, [$13];
+""")
+"""A lane's second row pair (``PAIRS = 2``): its block's bytes in rows c (``$10``) and d (``$11``), their scales
+(``$12``, ``$13``); the activations are the first pair's."""
+_LOAD_W_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 10) + ",l,l,l,l")
+
 _QUAD_SUM_ASM = tl.constexpr("""
 {
 .reg .f32 t, u;
@@ -162,14 +174,25 @@ def _lane_load(row_a, row_b, srow_a, srow_b, q, supplier, x_ptr, zero_ptr, i, G:
 
 
 @triton.jit
-def _lane_math(v, acc_a, acc_b):
-    """Step math for one lane: 8 MMAs over its loaded block ``v`` (``_lane_load``'s 26 registers), the two
-    block sums times their scales ``2**(s - 127)`` (and the ``2**-62`` of the encodings) into the fp32
-    accumulators."""
+def _lane_load_w(row_c, row_d, srow_c, srow_d, q, i, G: tl.constexpr):
+    """Issue step ``i``'s weight loads of this lane's second row pair (as :func:`_lane_load`, no activations)."""
+    gc = tl.minimum(4 * i + q, G - 1)
+    return tl.inline_asm_elementwise(_LOAD_W_ASM, _LOAD_W_CONSTRAINTS,
+                                     [(row_c + gc * 16).to(tl.int64), (row_d + gc * 16).to(tl.int64),
+                                      (srow_c + gc).to(tl.int64), (srow_d + gc).to(tl.int64)],
+                                     dtype=(tl.int32,) * 10, is_pure=True, pack=1)
+
+
+@triton.jit
+def _lane_math(v, acc_a, acc_b, xv):
+    """Step math for one lane and one row pair: 8 MMAs over its loaded block (``v``: the 8 words and 2 scales
+    of :func:`_lane_load` or :func:`_lane_load_w`; ``xv``: the :func:`_lane_load` holding the activations),
+    the two block sums times their scales ``2**(s - 127)`` (and the ``2**-62`` of the encodings) into the
+    fp32 accumulators."""
     c_a, c_b = tl.inline_asm_elementwise(
         _MMA_ASM, _MMA_CONSTRAINTS,
-        [v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[10], v[11], v[12], v[13], v[14], v[15], v[16], v[17],
-         v[18], v[19], v[20], v[21], v[22], v[23], v[24], v[25]],
+        [v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], xv[10], xv[11], xv[12], xv[13], xv[14], xv[15], xv[16],
+         xv[17], xv[18], xv[19], xv[20], xv[21], xv[22], xv[23], xv[24], xv[25]],
         dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
     acc_a += c_a * ((v[8] + (126 - X_SHIFT)) << 23).to(tl.float32, bitcast=True)  # 2**(s-127+126-64)
     acc_b += c_b * ((v[9] + (126 - X_SHIFT)) << 23).to(tl.float32, bitcast=True)
@@ -177,15 +200,17 @@ def _lane_math(v, acc_a, acc_b):
 
 
 @triton.jit
-def _lane_rows_dot(row_a, row_b, srow_a, srow_b, q, kw, supplier, x_ptr, zero_ptr, G: tl.constexpr,
-                   KW: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr):
+def _lane_rows_dot(row_a, row_b, srow_a, srow_b, row_c, row_d, srow_c, srow_d, q, kw, supplier, x_ptr, zero_ptr,
+                   G: tl.constexpr, KW: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr,
+                   PAIRS: tl.constexpr):
     """Inline-PTX path, one element per thread: this lane's rows ``a`` and ``b`` (byte pointers of their
     block 0, scale pointers likewise) · the activations in the MMA format at ``x_ptr`` (times 2**64; this
     lane's block 0; lanes that are not a ``supplier`` of the B operand read ``zero_ptr``), over the steps
     ``kw, kw + KW, ...`` of this lane's warp (``KW`` warps split the row) and the blocks ``4 step + q`` of its
-    quad position ``q``. Returns the two rows' sums over those blocks (fp32, the same in all four lanes of
-    the quad). Loads run ``DEPTH`` (1 or 2) steps ahead of the MMAs; with ``PREFETCH`` the rows are first
-    requested into L2 whole."""
+    quad position ``q``; with ``PAIRS = 2`` rows ``c`` and ``d`` as well, sharing the activations. Returns the
+    rows' sums over those blocks (fp32, the same in all four lanes of the quad; ``c``, ``d`` zeros when
+    ``PAIRS = 1``). Loads run ``DEPTH`` (1 or 2) steps ahead of the MMAs; with ``PREFETCH`` the rows are
+    first requested into L2 whole."""
     NS: tl.constexpr = (G + 3) // 4
     NL: tl.constexpr = (NS + KW - 1) // KW
     if PREFETCH:  # one lane per row pair (quad position 0 of warp 0) requests both rows into L2
@@ -199,24 +224,43 @@ def _lane_rows_dot(row_a, row_b, srow_a, srow_b, q, kw, supplier, x_ptr, zero_pt
              tl.full(q.shape, 16 * G, tl.int32), sa, sb, span], dtype=tl.int32, is_pure=False, pack=1)
     acc_a = tl.zeros(q.shape, tl.float32)
     acc_b = tl.zeros(q.shape, tl.float32)
+    acc_c = tl.zeros(q.shape, tl.float32)
+    acc_d = tl.zeros(q.shape, tl.float32)
     cur = _lane_load(row_a, row_b, srow_a, srow_b, q, supplier, x_ptr, zero_ptr, kw, G)
+    if PAIRS == 2:
+        cur2 = _lane_load_w(row_c, row_d, srow_c, srow_d, q, kw, G)
     if DEPTH == 2 and NL > 1:
         nxt = _lane_load(row_a, row_b, srow_a, srow_b, q, supplier, x_ptr, zero_ptr, KW + kw, G)
+        if PAIRS == 2:
+            nxt2 = _lane_load_w(row_c, row_d, srow_c, srow_d, q, KW + kw, G)
     for ii in tl.static_range(NL):
         if ii + DEPTH < NL:
             new = _lane_load(row_a, row_b, srow_a, srow_b, q, supplier, x_ptr, zero_ptr, (ii + DEPTH) * KW + kw, G)
-        acc_a, acc_b = _lane_math(cur, acc_a, acc_b)
+            if PAIRS == 2:
+                new2 = _lane_load_w(row_c, row_d, srow_c, srow_d, q, (ii + DEPTH) * KW + kw, G)
+        acc_a, acc_b = _lane_math(cur, acc_a, acc_b, cur)
+        if PAIRS == 2:
+            acc_c, acc_d = _lane_math(cur2, acc_c, acc_d, cur)
         if DEPTH == 2:
             if ii + 1 < NL:
                 cur = nxt
+                if PAIRS == 2:
+                    cur2 = nxt2
             if ii + 2 < NL:
                 nxt = new
+                if PAIRS == 2:
+                    nxt2 = new2
         else:
             if ii + 1 < NL:
                 cur = new
+                if PAIRS == 2:
+                    cur2 = new2
     y_a = tl.inline_asm_elementwise(_QUAD_SUM_ASM, "=r,r", [acc_a], dtype=tl.float32, is_pure=True, pack=1)
     y_b = tl.inline_asm_elementwise(_QUAD_SUM_ASM, "=r,r", [acc_b], dtype=tl.float32, is_pure=True, pack=1)
-    return y_a, y_b
+    if PAIRS == 2:
+        acc_c = tl.inline_asm_elementwise(_QUAD_SUM_ASM, "=r,r", [acc_c], dtype=tl.float32, is_pure=True, pack=1)
+        acc_d = tl.inline_asm_elementwise(_QUAD_SUM_ASM, "=r,r", [acc_d], dtype=tl.float32, is_pure=True, pack=1)
+    return y_a, y_b, acc_c, acc_d
 
 
 @triton.jit
@@ -293,61 +337,79 @@ def _warp_sum(y, W: tl.constexpr):
 
 
 @triton.jit
+def _swiglu_store(gate, up, j, keep, bias_ptr, ha_ptr, INTER, alpha, limit):
+    """Bias, GPT-OSS's clamped SwiGLU, ``h[j]`` stored in the MMA activation format (bf16, times 2**64, code
+    pairs permuted: ``j`` at ``8(j//8) + 2(j%4) + (j%8)//4``)."""
+    jc = tl.minimum(j, INTER - 1)
+    gate = tl.minimum(gate + tl.load(bias_ptr + 2 * jc).to(tl.float32), limit)
+    up = tl.minimum(tl.maximum(up + tl.load(bias_ptr + 2 * jc + 1).to(tl.float32), -limit), limit)
+    h = (up + 1.0) * gate * tl.sigmoid(gate * alpha) * X_SCALE
+    pos = 8 * (j // 8) + 2 * (j % 4) + (j % 8) // 4
+    tl.store(ha_ptr + pos, h.to(tl.bfloat16), mask=keep & (j < INTER))
+
+
+@triton.jit
 def _gate_up_tc_kernel(
     xa_ptr, ids_ptr, blocks_ptr, scales_ptr, bias_ptr, ha_ptr, zero_ptr,
     stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_xa, stride_ha,
     INTER, alpha, limit,
     K: tl.constexpr, G: tl.constexpr, W: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr,
-    PTX: tl.constexpr, PDL: tl.constexpr,
+    PAIRS: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid ``(pairs, cdiv(I, 8))``: ``h[pair, j] = swiglu(W_gu[e] x + b)`` for 8 outputs ``j`` (rows ``2j``,
-    gate, and ``2j + 1``, up), written in the MMA activation format (bf16, times 2**64, code pairs
-    permuted). The ``W`` warps split the rows' blocks."""
+    """Grid ``(pairs, cdiv(I, 8 PAIRS))``: ``h[pair, j] = swiglu(W_gu[e] x + b)`` for ``8 PAIRS`` outputs ``j``
+    (rows ``2j``, gate, and ``2j + 1``, up), written in the MMA activation format (bf16, times 2**64, code
+    pairs permuted). The ``W`` warps split the rows' blocks."""
     pair = tl.program_id(0)
     token = pair // K
     pdl_wait(PDL)  # the expert ids come from the launch just before
     e = tl.load(ids_ptr + pair).to(tl.int64)
     blocks = blocks_ptr + e * stride_be
     scales = scales_ptr + e * stride_se
+    bias = bias_ptr + e * stride_bias
     x_row = xa_ptr + token * stride_xa
+    h_row = ha_ptr + pair * stride_ha
+    j0 = tl.program_id(1) * (8 * PAIRS)
     if PTX:
         kw, q, r8, supplier = _lanes(W)
-        jc = tl.minimum(tl.program_id(1) * 8 + r8, INTER - 1).to(tl.int64)  # lane rows: gate 2j, up 2j + 1
-        gate, up = _lane_rows_dot(blocks + 2 * jc * stride_br, blocks + (2 * jc + 1) * stride_br,
-                                  scales + 2 * jc * stride_sr, scales + (2 * jc + 1) * stride_sr,
-                                  q, kw, supplier, x_row + q * 32, zero_ptr, G, W, DEPTH, PREFETCH)
-        gate, up = _warp_sum(gate, W), _warp_sum(up, W)
+        ja = tl.minimum(j0 + r8, INTER - 1).to(tl.int64)  # lane rows: gate 2j, up 2j + 1 (and j + 8)
+        jb = tl.minimum(j0 + 8 + r8, INTER - 1).to(tl.int64)
+        gate, up, gate2, up2 = _lane_rows_dot(
+            blocks + 2 * ja * stride_br, blocks + (2 * ja + 1) * stride_br, scales + 2 * ja * stride_sr,
+            scales + (2 * ja + 1) * stride_sr, blocks + 2 * jb * stride_br, blocks + (2 * jb + 1) * stride_br,
+            scales + 2 * jb * stride_sr, scales + (2 * jb + 1) * stride_sr,
+            q, kw, supplier, x_row + q * 32, zero_ptr, G, W, DEPTH, PREFETCH, PAIRS)
         lane = tl.arange(0, 32)
-        j = tl.program_id(1) * 8 + lane // 4
-        jc = tl.minimum(j, INTER - 1)
-        gate += tl.load(bias_ptr + e * stride_bias + 2 * jc).to(tl.float32)
-        up += tl.load(bias_ptr + e * stride_bias + 2 * jc + 1).to(tl.float32)
-        keep = (lane % 4 == 0) & (j < INTER)
+        j = j0 + lane // 4
+        _swiglu_store(_warp_sum(gate, W), _warp_sum(up, W), j, lane % 4 == 0, bias, h_row, INTER, alpha, limit)
+        if PAIRS == 2:
+            _swiglu_store(_warp_sum(gate2, W), _warp_sum(up2, W), j + 8, lane % 4 == 0, bias, h_row, INTER,
+                          alpha, limit)
     else:
-        rows = tl.program_id(1) * 16 + tl.arange(0, 16)  # gate 2j, up 2j + 1, interleaved
+        rows = 2 * j0 + tl.arange(0, 16 * PAIRS)  # gate 2j, up 2j + 1, interleaved
         row_ok = rows < 2 * INTER
         y = _rows_dot_plain(blocks + rows.to(tl.int64) * stride_br, scales + rows.to(tl.int64) * stride_sr,
                             row_ok, x_row, G)
-        y += tl.load(bias_ptr + e * stride_bias + rows, mask=row_ok, other=0.0).to(tl.float32)
-        gate, up = tl.split(tl.reshape(y, [8, 2]))
-        j = tl.program_id(1) * 8 + tl.arange(0, 8)
-        keep = j < INTER
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = (up + 1.0) * gate * tl.sigmoid(gate * alpha) * X_SCALE
-    pos = 8 * (j // 8) + 2 * (j % 4) + (j % 8) // 4
-    tl.store(ha_ptr + pair * stride_ha + pos, h.to(tl.bfloat16), mask=keep)
+        gate, up = tl.split(tl.reshape(y, [8 * PAIRS, 2]))
+        j = j0 + tl.arange(0, 8 * PAIRS)
+        _swiglu_store(gate, up, j, j < INTER, bias, h_row, INTER, alpha, limit)
+
+
+@triton.jit
+def _down_store(y, r, keep, w, bias, out, HIDDEN):
+    """``out[r] = w * (y + bias[r])`` where ``keep`` and ``r < HIDDEN``."""
+    y += tl.load(bias + tl.minimum(r, HIDDEN - 1)).to(tl.float32)
+    tl.store(out + r, w * y, mask=keep & (r < HIDDEN))
 
 
 @triton.jit
 def _down_tc_kernel(
     ha_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr, part_ptr, zero_ptr,
     stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_ha, HIDDEN,
-    G: tl.constexpr, W: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr, PTX: tl.constexpr,
-    PDL: tl.constexpr,
+    G: tl.constexpr, W: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr, PAIRS: tl.constexpr,
+    PTX: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid ``(pairs, cdiv(hidden, 16))``: ``part[pair, r] = w_pair * (W_d[e] h_pair + b)[r]`` for 16 rows;
-    the ``W`` warps split the rows' blocks."""
+    """Grid ``(pairs, cdiv(hidden, 16 PAIRS))``: ``part[pair, r] = w_pair * (W_d[e] h_pair + b)[r]`` for
+    ``16 PAIRS`` rows; the ``W`` warps split the rows' blocks."""
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair).to(tl.int64)  # routing: two launches back (see replicas.kernels.pdl)
     w = tl.load(w_ptr + pair).to(tl.float32)
@@ -357,27 +419,30 @@ def _down_tc_kernel(
     x_row = ha_ptr + pair * stride_ha
     bias = bias_ptr + e * stride_bias
     out = part_ptr + pair * HIDDEN
+    r0 = tl.program_id(1) * (16 * PAIRS)
     if PTX:
         kw, q, r8, supplier = _lanes(W)
-        ca = tl.minimum(tl.program_id(1) * 16 + r8, HIDDEN - 1).to(tl.int64)  # lane rows a and a + 8
-        cb = tl.minimum(tl.program_id(1) * 16 + r8 + 8, HIDDEN - 1).to(tl.int64)
-        y_a, y_b = _lane_rows_dot(blocks + ca * stride_br, blocks + cb * stride_br, scales + ca * stride_sr,
-                                  scales + cb * stride_sr, q, kw, supplier, x_row + q * 32, zero_ptr, G, W, DEPTH, PREFETCH)
-        y_a, y_b = _warp_sum(y_a, W), _warp_sum(y_b, W)
+        ca = tl.minimum(r0 + r8, HIDDEN - 1).to(tl.int64)  # lane rows a, a + 8 (and a + 16, a + 24)
+        cb = tl.minimum(r0 + r8 + 8, HIDDEN - 1).to(tl.int64)
+        cc = tl.minimum(r0 + r8 + 16, HIDDEN - 1).to(tl.int64)
+        cd = tl.minimum(r0 + r8 + 24, HIDDEN - 1).to(tl.int64)
+        y_a, y_b, y_c, y_d = _lane_rows_dot(
+            blocks + ca * stride_br, blocks + cb * stride_br, scales + ca * stride_sr, scales + cb * stride_sr,
+            blocks + cc * stride_br, blocks + cd * stride_br, scales + cc * stride_sr, scales + cd * stride_sr,
+            q, kw, supplier, x_row + q * 32, zero_ptr, G, W, DEPTH, PREFETCH, PAIRS)
         lane = tl.arange(0, 32)
-        r_a = tl.program_id(1) * 16 + lane // 4
-        r_b = r_a + 8
-        ca = tl.minimum(r_a, HIDDEN - 1)
-        cb = tl.minimum(r_b, HIDDEN - 1)
-        tl.store(out + r_a, w * (y_a + tl.load(bias + ca).to(tl.float32)), mask=(lane % 4 == 0) & (r_a < HIDDEN))
-        tl.store(out + r_b, w * (y_b + tl.load(bias + cb).to(tl.float32)), mask=(lane % 4 == 0) & (r_b < HIDDEN))
+        r = r0 + lane // 4
+        keep = lane % 4 == 0
+        _down_store(_warp_sum(y_a, W), r, keep, w, bias, out, HIDDEN)
+        _down_store(_warp_sum(y_b, W), r + 8, keep, w, bias, out, HIDDEN)
+        if PAIRS == 2:
+            _down_store(_warp_sum(y_c, W), r + 16, keep, w, bias, out, HIDDEN)
+            _down_store(_warp_sum(y_d, W), r + 24, keep, w, bias, out, HIDDEN)
     else:
-        r = tl.program_id(1) * 16 + tl.arange(0, 16)
-        r_ok = r < HIDDEN
-        y = _rows_dot_plain(blocks + r.to(tl.int64) * stride_br, scales + r.to(tl.int64) * stride_sr, r_ok,
+        r = r0 + tl.arange(0, 16 * PAIRS)
+        y = _rows_dot_plain(blocks + r.to(tl.int64) * stride_br, scales + r.to(tl.int64) * stride_sr, r < HIDDEN,
                             x_row, G)
-        y += tl.load(bias + r, mask=r_ok, other=0.0).to(tl.float32)
-        tl.store(out + r, w * y, mask=r_ok)
+        _down_store(y, r, r < HIDDEN, w, bias, out, HIDDEN)
 
 
 def mxfp4_activations(x: torch.Tensor) -> torch.Tensor:
@@ -390,6 +455,15 @@ def mxfp4_activations(x: torch.Tensor) -> torch.Tensor:
     y = (x.float() * X_SCALE.value).view(t, n // 8, 2, 4).transpose(2, 3).reshape(t, n)
     return y.to(torch.bfloat16)
 
+
+def _tile_overrides() -> dict[str, int]:
+    """``PERSISTENT_SERVE_MOE_TC="pairs=2,down_depth=2"``: replace :func:`triton_moe_tc`'s tile defaults
+    (for benchmarking a configuration end to end with ``ops.bench_engine``)."""
+    spec = os.environ.get("PERSISTENT_SERVE_MOE_TC", "")
+    return {k.strip(): int(v) for k, v in (item.split("=") for item in spec.split(",") if item.strip())}
+
+
+TILE_OVERRIDES = _tile_overrides()
 
 _ZEROS: dict[torch.device, torch.Tensor] = {}
 
@@ -406,7 +480,8 @@ def triton_moe_tc(
     gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, x_mxfp4: torch.Tensor | None = None, num_warps: int = 4,
-    down_num_warps: int | None = None, depth: int = 1, prefetch: bool = False,
+    down_num_warps: int | None = 8, depth: int = 1, down_depth: int | None = 2, pairs: int = 1,
+    down_pairs: int | None = 2, prefetch: bool = False,
     ptx: bool | None = None,
 ) -> torch.Tensor:
     """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches).
@@ -422,9 +497,12 @@ def triton_moe_tc(
         x_mxfp4: ``x`` already in the MMA format (:func:`mxfp4_activations`), e.g. written by the
             add+RMSNorm launch that produced ``x``; computed here (torch ops) when None.
         num_warps: per program (16 rows); the warps split the rows' 32-value blocks. down_num_warps: the
-            down launch's (default: ``num_warps``). Defaults: the fastest of ``python -m ops.bench_kernels
-            --kernels tc`` on an H200 at gpt-oss-120b's shape.
-        depth: steps of loads in flight ahead of the MMAs (1 or 2).
+            down launch's (None: ``num_warps``). Defaults of all tiles: the fastest of ``python -m
+            ops.bench_kernels --kernels tc`` on an H200 at gpt-oss-120b's shape (25.8 us per layer).
+        depth: steps of loads in flight ahead of the MMAs (1 or 2); down_depth: the down launch's (None:
+            ``depth``).
+        pairs: row pairs per lane (1 or 2: 16 or 32 rows per program, the second pair sharing the first's
+            activations); down_pairs: the down launch's (None: ``pairs``).
         prefetch: request each program's rows into L2 whole before the loop (``cp.async.bulk.prefetch``;
             measured slower on an H200, kept for the benchmark's record).
         ptx: the inline-PTX tensor-core path (default: on CUDA); False runs plain Triton (interpreter).
@@ -446,26 +524,33 @@ def triton_moe_tc(
         raise ValueError(f"hidden ({hidden}) and expert width ({inter}) must be multiples of {BLOCK_SIZE}")
     if ptx is None:
         ptx = x.is_cuda and not torch.version.hip
+    if TILE_OVERRIDES:
+        tiles = {"num_warps": num_warps, "down_num_warps": down_num_warps, "depth": depth, "down_depth": down_depth,
+                 "pairs": pairs, "down_pairs": down_pairs, "prefetch": prefetch} | TILE_OVERRIDES
+        num_warps, down_num_warps, depth, down_depth = (tiles["num_warps"], tiles["down_num_warps"], tiles["depth"],
+                                                        tiles["down_depth"])
+        pairs, down_pairs, prefetch = tiles["pairs"], tiles["down_pairs"], bool(tiles["prefetch"])
     if x_mxfp4 is None:
         x_mxfp4 = mxfp4_activations(x)
-    pairs = t * k
+    pairs_n = t * k  # (token, expert) pairs
     ids, weights = ids.contiguous(), weights.contiguous()
     zero = _zeros(x.device)
-    h = torch.empty(pairs, inter, dtype=torch.bfloat16, device=x.device)
-    _gate_up_tc_kernel[(pairs, triton.cdiv(inter, 8))](
+    h = torch.empty(pairs_n, inter, dtype=torch.bfloat16, device=x.device)
+    _gate_up_tc_kernel[(pairs_n, triton.cdiv(inter, 8 * pairs))](
         x_mxfp4, ids, gate_up_blocks, gate_up_scales, gate_up_bias, h, zero,
         gate_up_blocks.stride(0), gate_up_blocks.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
         gate_up_bias.stride(0), x_mxfp4.stride(0), h.stride(0), inter, alpha, limit,
-        K=k, G=hidden // BLOCK_SIZE, W=num_warps, DEPTH=depth, PREFETCH=prefetch, PTX=ptx,
+        K=k, G=hidden // BLOCK_SIZE, W=num_warps, DEPTH=depth, PREFETCH=prefetch, PAIRS=pairs, PTX=ptx,
         num_warps=num_warps, **pdl_args(x),
     )
     out = torch.empty(t, k, hidden, dtype=torch.float32, device=x.device)
     down_warps = down_num_warps or num_warps
-    _down_tc_kernel[(pairs, triton.cdiv(hidden, 16))](
+    down_pairs = down_pairs or pairs
+    _down_tc_kernel[(pairs_n, triton.cdiv(hidden, 16 * down_pairs))](
         h, ids, weights, down_blocks, down_scales, down_bias, out, zero,
         down_blocks.stride(0), down_blocks.stride(1), down_scales.stride(0), down_scales.stride(1),
         down_bias.stride(0), h.stride(0), hidden,
-        G=inter // BLOCK_SIZE, W=down_warps, DEPTH=depth, PREFETCH=prefetch, PTX=ptx,
+        G=inter // BLOCK_SIZE, W=down_warps, DEPTH=down_depth or depth, PREFETCH=prefetch, PAIRS=down_pairs, PTX=ptx,
         num_warps=down_warps, **pdl_args(x),
     )
     return out

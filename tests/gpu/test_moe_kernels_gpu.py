@@ -200,10 +200,11 @@ def test_mma_ptx_mxfp4_moe_at_120b_dims(tokens):
     plain = triton_moe_tc(*args, ptx=False, x_mxfp4=mxfp4_activations(x))
     assert ((plain - same_math).abs().max() / scale).item() < 1e-4
     ref = moe_reference(x.float(), w.float(), ids, experts.as_fp32())
-    for warps, depth in ((1, 1), (2, 2), (4, 2), (8, 1), (8, 2)):
-        parts = triton_moe_tc(*args, num_warps=warps, depth=depth)
+    for warps, depth, pairs, down_pairs in ((1, 1, 1, 1), (2, 2, 1, 1), (4, 2, 1, 1), (8, 1, 1, 1), (8, 2, 1, 1),
+                                            (4, 1, 2, 2), (4, 2, 2, 1), (2, 1, 1, 2)):
+        parts = triton_moe_tc(*args, num_warps=warps, depth=depth, pairs=pairs, down_pairs=down_pairs)
         assert parts.shape == (tokens, 4, HIDDEN)
-        assert ((parts - same_math).abs().max() / scale).item() < 1e-4, (warps, depth)
+        assert ((parts - same_math).abs().max() / scale).item() < 1e-4, (warps, depth, pairs, down_pairs)
         assert ((parts.sum(1) - ref).abs().max() / ref.abs().max()).item() < 2e-2
 
 

@@ -157,8 +157,8 @@ def test_triton_dequantize_matches_torch_exactly(dtype):
     assert torch.equal(ours, dequantize_mxfp4(blocks, scales, dtype))
 
 
-@pytest.mark.parametrize("tokens,k", [(1, 4), (2, 2)])
-def test_tensor_core_moe_plain_path_matches_reference(tokens, k):
+@pytest.mark.parametrize("tokens,k,pairs", [(1, 4, 1), (2, 2, 2)])
+def test_tensor_core_moe_plain_path_matches_reference(tokens, k, pairs):
     """``triton_moe_tc``'s plain-Triton path (the interpreter cannot run its PTX; ``tests/gpu`` checks that):
     block scales, the MMA activation format (times 2**64, permuted pairs), the masked last step of 4 blocks,
     the fused SwiGLU written back in that format. bf16 activations and SwiGLU output: bf16 tolerance."""
@@ -170,7 +170,7 @@ def test_tensor_core_moe_plain_path_matches_reference(tokens, k):
     weights = torch.softmax(torch.randn(tokens, k, generator=g), -1).to(DEVICE)
     parts = triton_moe_tc(x, weights, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales,
                           experts.gate_up_proj_bias, experts.down_proj_blocks, experts.down_proj_scales,
-                          experts.down_proj_bias, experts.alpha, experts.limit, ptx=False)
+                          experts.down_proj_bias, experts.alpha, experts.limit, pairs=pairs, ptx=False)
     assert parts.shape == (tokens, k, hidden)
     ref = moe_reference(x.float(), weights, ids, experts)
     assert ref.abs().max() > 1
