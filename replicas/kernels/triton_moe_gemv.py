@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
+from replicas.models.mxfp4 import check_packed_moe
 
 X_SHIFT = tl.constexpr(64)
 """Activations are multiplied by ``2**X_SHIFT`` before the products (see the module docstring)."""
@@ -200,15 +200,7 @@ def triton_moe_gemv(
     Raises:
         ValueError: packed tensors not contiguous uint8 ``[..., G, 16]``, or widths not multiples of 32.
     """
-    t, hidden = x.shape
-    k = ids.shape[1]
-    inter = gate_up_blocks.shape[1] // 2
-    for name, tensor in (("gate_up_blocks", gate_up_blocks), ("down_blocks", down_blocks)):
-        if tensor.dtype != torch.uint8 or tensor.shape[-1] != BYTES_PER_BLOCK or not tensor.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous uint8 [..., G, {BYTES_PER_BLOCK}], got "
-                             f"{tensor.dtype} {tuple(tensor.shape)}")
-    if hidden % BLOCK_SIZE or inter % BLOCK_SIZE:
-        raise ValueError(f"hidden ({hidden}) and expert width ({inter}) must be multiples of {BLOCK_SIZE}")
+    t, hidden, k, inter = check_packed_moe(x, ids, gate_up_blocks, down_blocks)
     if ptx is None:
         ptx = x.is_cuda and not torch.version.hip
     pairs = t * k

@@ -8,35 +8,39 @@ each code is decoded into a *bf16* bit pattern two at a time (about 1.9
 integer instructions per weight) and the multiply-adds run on the tensor cores
 (one ``mma.m16n8k16`` per 256 weights), accumulating in fp32.
 
-Layout contract (checked by ``tests/gpu``, relied on by the PTX). Each step
-loads bytes ``[R, 4, 16]`` (R rows, 4 consecutive 32-value blocks, 16 bytes per
-block) and Triton gives it its natural blocked layout: lanes ``t`` of a warp
-hold row ``8 * warp + t // 4`` (and the same row plus ``8 * num_warps``) and
-block ``t % 4``, 16 bytes each. That is exactly the ``mma.m16n8k16`` A-operand
-ownership (PTX ISA, "Matrix Fragments for mma.m16n8k16": lane ``t`` holds rows
-``t/4`` and ``t/4 + 8`` and the k-columns of its quad position ``t % 4``), so
-every lane feeds its own bytes into the MMA with no data movement. The four
-lanes of a quad hold four *different* blocks (four different E8M0 scales), so
-the B operand (the activations) is diagonal: lane ``t`` supplies its block's
-activations only in MMA column ``n = 2 * (t % 4)``, i.e. only lanes with
-``t // 4 == 2 * (t % 4)`` load them, the others read zeros. Column ``2q`` of the
-result is then block ``q``'s partial dot product, which lands in lane ``t``'s
-own accumulator ``c0`` (row ``t/4``) and ``c2`` (row ``t/4 + 8``): each lane
-ends with the partial sums of the very blocks it loaded, multiplies them by
-their scales in fp32 and accumulates. The row sum over blocks is one
-reduction over the quad at the end.
+The MMA fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"): lane ``t``
+of a warp holds A rows ``t/4`` and ``t/4 + 8`` at the k-columns of its quad
+position ``q = t % 4``. Each lane loads, per step, one 32-value block (16
+bytes) of each of its two rows: block ``4 * step + q``, so the four lanes of a
+quad hold four *different* blocks, with four different E8M0 scales, of the
+same rows. The activations therefore enter as a diagonal B operand: lane ``t``
+supplies its block's activations only in MMA column ``n = 2q`` (only lanes with
+``t // 4 == 2q`` load them; the others read a zero buffer), so column ``2q`` of
+the result is block ``q``'s partial dot product, and it lands in the
+accumulator (``c0`` for row ``t/4``, ``c2`` for ``t/4 + 8``) of the very lane that
+loaded that block. Each lane scales its partial sums in fp32 and accumulates;
+a row's sum over blocks is one reduction over the quad (``shfl``) and one over
+the warps that split the row (shared memory), at the end.
+
+Nothing here depends on how Triton lays tensors out (Triton 3.6 and 3.9 lay
+the same ``[rows, 4, 16]`` byte tile out differently): the PTX path works on
+one-element-per-thread tensors, every lane computes its rows and blocks from
+``%tid.x`` and loads with inline PTX, and results are stored through computed
+indices. (A first version that fed Triton's own tile layout to the MMA was
+correct under one Triton version only.)
 
 Bit tricks (OCP MX v1.0 §5.3.3 for E2M1; bf16 is fp32's top half): a code's
 magnitude bits ``e1 e0 m`` on bf16 bits 8..6 and its sign on bit 15 read as the
 E2M1 value times ``2**-126`` (``e = 0`` gives bf16 subnormals, which the tensor
 cores take as they are: the GPU tests check every code). Two codes fill one
-bf16x2 register with two shifts, one mask and one ``lop3`` per code pair. The
+bf16x2 register with two shifts, one mask and one ``lop3``. The
 activations come pre-scaled by ``2**64`` (so no product underflows fp32) and
 pre-permuted into the same code pairs, written by the kernel that produces
 them (:func:`mxfp4_activations`): the gate_up kernel writes the down kernel's
 input that way, and :func:`~replicas.kernels.triton_rmsnorm.triton_add_rmsnorm`
 can write the gate_up input that way. Products of a bf16 code and a bf16
-activation are exact in fp32; the MMA sums them in fp32.
+activation are exact in fp32; the MMA sums them in fp32. Limit of the scaling:
+E8M0 scales up to ``2**65`` (trained weights use about ``2**-10 .. 2**2``).
 
 Two launches per MoE layer, ``T`` tokens with ``K`` experts each (one (token,
 expert) pair per grid row), the same outputs as the SIMT kernels: gate_up
@@ -58,7 +62,7 @@ import triton
 import triton.language as tl
 
 from replicas.kernels.pdl import pdl_args, pdl_wait
-from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
+from replicas.models.mxfp4 import BLOCK_SIZE, check_packed_moe
 
 X_SHIFT = tl.constexpr(64)
 """The activations are stored times ``2**X_SHIFT`` (exact in bf16: a power of two)."""
@@ -513,44 +517,32 @@ def triton_moe_tc(
     Raises:
         ValueError: packed tensors not contiguous uint8 ``[..., G, 16]``, or widths not multiples of 32.
     """
-    t, hidden = x.shape
-    k = ids.shape[1]
-    inter = gate_up_blocks.shape[1] // 2
-    for name, tensor in (("gate_up_blocks", gate_up_blocks), ("down_blocks", down_blocks)):
-        if tensor.dtype != torch.uint8 or tensor.shape[-1] != BYTES_PER_BLOCK or not tensor.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous uint8 [..., G, {BYTES_PER_BLOCK}], got "
-                             f"{tensor.dtype} {tuple(tensor.shape)}")
-    if hidden % BLOCK_SIZE or inter % BLOCK_SIZE:
-        raise ValueError(f"hidden ({hidden}) and expert width ({inter}) must be multiples of {BLOCK_SIZE}")
+    t, hidden, k, inter = check_packed_moe(x, ids, gate_up_blocks, down_blocks)
     if ptx is None:
         ptx = x.is_cuda and not torch.version.hip
-    if TILE_OVERRIDES:
-        tiles = {"num_warps": num_warps, "down_num_warps": down_num_warps, "depth": depth, "down_depth": down_depth,
-                 "pairs": pairs, "down_pairs": down_pairs, "prefetch": prefetch} | TILE_OVERRIDES
-        num_warps, down_num_warps, depth, down_depth = (tiles["num_warps"], tiles["down_num_warps"], tiles["depth"],
-                                                        tiles["down_depth"])
-        pairs, down_pairs, prefetch = tiles["pairs"], tiles["down_pairs"], bool(tiles["prefetch"])
+    tiles = {"num_warps": num_warps, "down_num_warps": down_num_warps or num_warps, "depth": depth,
+             "down_depth": down_depth or depth, "pairs": pairs, "down_pairs": down_pairs or pairs,
+             "prefetch": prefetch} | TILE_OVERRIDES
     if x_mxfp4 is None:
         x_mxfp4 = mxfp4_activations(x)
     pairs_n = t * k  # (token, expert) pairs
     ids, weights = ids.contiguous(), weights.contiguous()
     zero = _zeros(x.device)
     h = torch.empty(pairs_n, inter, dtype=torch.bfloat16, device=x.device)
-    _gate_up_tc_kernel[(pairs_n, triton.cdiv(inter, 8 * pairs))](
+    _gate_up_tc_kernel[(pairs_n, triton.cdiv(inter, 8 * tiles["pairs"]))](
         x_mxfp4, ids, gate_up_blocks, gate_up_scales, gate_up_bias, h, zero,
         gate_up_blocks.stride(0), gate_up_blocks.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
         gate_up_bias.stride(0), x_mxfp4.stride(0), h.stride(0), inter, alpha, limit,
-        K=k, G=hidden // BLOCK_SIZE, W=num_warps, DEPTH=depth, PREFETCH=prefetch, PAIRS=pairs, PTX=ptx,
-        num_warps=num_warps, **pdl_args(x),
+        K=k, G=hidden // BLOCK_SIZE, W=tiles["num_warps"], DEPTH=tiles["depth"], PREFETCH=bool(tiles["prefetch"]),
+        PAIRS=tiles["pairs"], PTX=ptx, num_warps=tiles["num_warps"], **pdl_args(x),
     )
     out = torch.empty(t, k, hidden, dtype=torch.float32, device=x.device)
-    down_warps = down_num_warps or num_warps
-    down_pairs = down_pairs or pairs
-    _down_tc_kernel[(pairs_n, triton.cdiv(hidden, 16 * down_pairs))](
+    _down_tc_kernel[(pairs_n, triton.cdiv(hidden, 16 * tiles["down_pairs"]))](
         h, ids, weights, down_blocks, down_scales, down_bias, out, zero,
         down_blocks.stride(0), down_blocks.stride(1), down_scales.stride(0), down_scales.stride(1),
         down_bias.stride(0), h.stride(0), hidden,
-        G=inter // BLOCK_SIZE, W=down_warps, DEPTH=down_depth or depth, PREFETCH=prefetch, PAIRS=down_pairs, PTX=ptx,
-        num_warps=down_warps, **pdl_args(x),
+        G=inter // BLOCK_SIZE, W=tiles["down_num_warps"], DEPTH=tiles["down_depth"],
+        PREFETCH=bool(tiles["prefetch"]), PAIRS=tiles["down_pairs"], PTX=ptx, num_warps=tiles["down_num_warps"],
+        **pdl_args(x),
     )
     return out

@@ -168,3 +168,23 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def packed_nbytes(rows: int, cols: int) -> int:
     """Bytes of the packed pair for a ``[rows, cols]`` matrix: ``rows * cols / 2 + rows * cols / 32``."""
     return rows * cols // 2 + rows * cols // BLOCK_SIZE
+
+
+def check_packed_moe(x: torch.Tensor, ids: torch.Tensor, gate_up_blocks: torch.Tensor,
+                     down_blocks: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate the inputs of a packed-MXFP4 MoE decode kernel and return ``(T, hidden, K, I)``: ``x``
+    ``[T, hidden]``, ``ids`` ``[T, K]``, ``gate_up_blocks`` ``[E, 2I, hidden/32, 16]``, ``down_blocks``
+    ``[E, hidden, I/32, 16]``.
+
+    Raises:
+        ValueError: packed tensors not contiguous uint8 ``[..., G, 16]``, or widths not multiples of 32.
+    """
+    t, hidden = x.shape
+    inter = gate_up_blocks.shape[1] // 2
+    for name, tensor in (("gate_up_blocks", gate_up_blocks), ("down_blocks", down_blocks)):
+        if tensor.dtype != torch.uint8 or tensor.shape[-1] != BYTES_PER_BLOCK or not tensor.is_contiguous():
+            raise ValueError(f"{name}: expected contiguous uint8 [..., G, {BYTES_PER_BLOCK}], got "
+                             f"{tensor.dtype} {tuple(tensor.shape)}")
+    if hidden % BLOCK_SIZE or inter % BLOCK_SIZE:
+        raise ValueError(f"hidden ({hidden}) and expert width ({inter}) must be multiples of {BLOCK_SIZE}")
+    return t, hidden, ids.shape[1], inter
