@@ -119,21 +119,6 @@ go through the read-only path (``.nc``); the activations, written by the launch 
 running when this one starts, under programmatic dependent launch), do not."""
 _LOAD_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 26) + ",l,l,l,l,l")
 
-_PREFETCH_ASM = tl.constexpr("""
-{
-.reg .pred p;
-setp.ne.s32 p, $1, 0;
-@p cp.async.bulk.prefetch.L2.global [$2], $4;
-@p cp.async.bulk.prefetch.L2.global [$3], $4;
-@p cp.async.bulk.prefetch.L2.global [$5], $7;
-@p cp.async.bulk.prefetch.L2.global [$6], $7;
-mov.b32 $0, 0;
-}
-""")
-"""If ``$1``: bring two packed rows (``$2``, ``$3``, ``$4`` bytes each) and their scale rows (``$5``, ``$6``, ``$7``
-bytes each, widened to 16-byte bounds) into L2 with Hopper's bulk prefetch (``cp.async.bulk.prefetch``), so
-a warp's whole working set is requested from DRAM at once."""
-
 _LOAD_W_ASM = tl.constexpr("""
 ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$10];
 ld.global.nc.v4.b32 {$4, $5, $6, $7}, [$11];
@@ -205,27 +190,16 @@ def _lane_math(v, acc_a, acc_b, xv):
 
 @triton.jit
 def _lane_rows_dot(row_a, row_b, srow_a, srow_b, row_c, row_d, srow_c, srow_d, q, kw, supplier, x_ptr, zero_ptr,
-                   G: tl.constexpr, KW: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr,
-                   PAIRS: tl.constexpr):
+                   G: tl.constexpr, KW: tl.constexpr, DEPTH: tl.constexpr, PAIRS: tl.constexpr):
     """Inline-PTX path, one element per thread: this lane's rows ``a`` and ``b`` (byte pointers of their
     block 0, scale pointers likewise) · the activations in the MMA format at ``x_ptr`` (times 2**64; this
     lane's block 0; lanes that are not a ``supplier`` of the B operand read ``zero_ptr``), over the steps
     ``kw, kw + KW, ...`` of this lane's warp (``KW`` warps split the row) and the blocks ``4 step + q`` of its
     quad position ``q``; with ``PAIRS = 2`` rows ``c`` and ``d`` as well, sharing the activations. Returns the
     rows' sums over those blocks (fp32, the same in all four lanes of the quad; ``c``, ``d`` zeros when
-    ``PAIRS = 1``). Loads run ``DEPTH`` (1 or 2) steps ahead of the MMAs; with ``PREFETCH`` the rows are
-    first requested into L2 whole."""
+    ``PAIRS = 1``). Loads run ``DEPTH`` (1 or 2) steps ahead of the MMAs."""
     NS: tl.constexpr = (G + 3) // 4
     NL: tl.constexpr = (NS + KW - 1) // KW
-    if PREFETCH:  # one lane per row pair (quad position 0 of warp 0) requests both rows into L2
-        sa = srow_a.to(tl.int64) & -16  # 16-byte bounds around the G scale bytes
-        sb = srow_b.to(tl.int64) & -16
-        span = (((srow_a + G).to(tl.int64) + 15) & -16) - sa
-        span = tl.maximum(span, (((srow_b + G).to(tl.int64) + 15) & -16) - sb).to(tl.int32)
-        tl.inline_asm_elementwise(
-            _PREFETCH_ASM, "=r,r,l,l,r,l,l,r",
-            [((q == 0) & (kw == 0)).to(tl.int32), row_a.to(tl.int64), row_b.to(tl.int64),
-             tl.full(q.shape, 16 * G, tl.int32), sa, sb, span], dtype=tl.int32, is_pure=False, pack=1)
     acc_a = tl.zeros(q.shape, tl.float32)
     acc_b = tl.zeros(q.shape, tl.float32)
     acc_c = tl.zeros(q.shape, tl.float32)
@@ -268,13 +242,19 @@ def _lane_rows_dot(row_a, row_b, srow_a, srow_b, row_c, row_d, srow_c, srow_d, q
 
 
 @triton.jit
+def mma_position(j):
+    """Where value ``j`` of a row sits in the MMA activation format: within every 8 values the order
+    ``0, 4, 1, 5, 2, 6, 3, 7`` (the decoder's code pairs), i.e. ``8(j//8) + 2(j%4) + (j%8)//4``."""
+    return 8 * (j // 8) + 2 * (j % 4) + (j % 8) // 4
+
+
+@triton.jit
 def _unpermuted_x(xa_ptr, g, G: tl.constexpr):
     """Plain-Triton path: activations ``[GB, 16]`` of the even and of the odd codes of blocks ``g``, in code
-    order, read from the MMA format (code ``c`` of a block at ``8(c//8) + 2(c%4) + (c%8)//4``)."""
+    order, read from the MMA format (:func:`mma_position`)."""
     j = tl.arange(0, 16)
-    even, odd = 2 * j, 2 * j + 1
-    pe = 8 * (even // 8) + 2 * (even % 4) + (even % 8) // 4
-    po = 8 * (odd // 8) + 2 * (odd % 4) + (odd % 8) // 4
+    pe = mma_position(2 * j)
+    po = mma_position(2 * j + 1)
     ok = (g < G)[:, None]
     xe = tl.load(xa_ptr + g[:, None] * 32 + pe[None, :], mask=ok, other=0.0).to(tl.float32)
     xo = tl.load(xa_ptr + g[:, None] * 32 + po[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -342,14 +322,13 @@ def _warp_sum(y, W: tl.constexpr):
 
 @triton.jit
 def _swiglu_store(gate, up, j, keep, bias_ptr, ha_ptr, INTER, alpha, limit):
-    """Bias, GPT-OSS's clamped SwiGLU, ``h[j]`` stored in the MMA activation format (bf16, times 2**64, code
-    pairs permuted: ``j`` at ``8(j//8) + 2(j%4) + (j%8)//4``)."""
+    """Bias, GPT-OSS's clamped SwiGLU, ``h[j]`` stored in the MMA activation format (bf16, times 2**64, at
+    :func:`mma_position`)."""
     jc = tl.minimum(j, INTER - 1)
     gate = tl.minimum(gate + tl.load(bias_ptr + 2 * jc).to(tl.float32), limit)
     up = tl.minimum(tl.maximum(up + tl.load(bias_ptr + 2 * jc + 1).to(tl.float32), -limit), limit)
     h = (up + 1.0) * gate * tl.sigmoid(gate * alpha) * X_SCALE
-    pos = 8 * (j // 8) + 2 * (j % 4) + (j % 8) // 4
-    tl.store(ha_ptr + pos, h.to(tl.bfloat16), mask=keep & (j < INTER))
+    tl.store(ha_ptr + mma_position(j), h.to(tl.bfloat16), mask=keep & (j < INTER))
 
 
 @triton.jit
@@ -357,8 +336,8 @@ def _gate_up_tc_kernel(
     xa_ptr, ids_ptr, blocks_ptr, scales_ptr, bias_ptr, ha_ptr, zero_ptr,
     stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_xa, stride_ha,
     INTER, alpha, limit,
-    K: tl.constexpr, G: tl.constexpr, W: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr,
-    PAIRS: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+    K: tl.constexpr, G: tl.constexpr, W: tl.constexpr, DEPTH: tl.constexpr, PAIRS: tl.constexpr,
+    PTX: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(pairs, cdiv(I, 8 PAIRS))``: ``h[pair, j] = swiglu(W_gu[e] x + b)`` for ``8 PAIRS`` outputs ``j``
     (rows ``2j``, gate, and ``2j + 1``, up), written in the MMA activation format (bf16, times 2**64, code
@@ -381,7 +360,7 @@ def _gate_up_tc_kernel(
             blocks + 2 * ja * stride_br, blocks + (2 * ja + 1) * stride_br, scales + 2 * ja * stride_sr,
             scales + (2 * ja + 1) * stride_sr, blocks + 2 * jb * stride_br, blocks + (2 * jb + 1) * stride_br,
             scales + 2 * jb * stride_sr, scales + (2 * jb + 1) * stride_sr,
-            q, kw, supplier, x_row + q * 32, zero_ptr, G, W, DEPTH, PREFETCH, PAIRS)
+            q, kw, supplier, x_row + q * 32, zero_ptr, G, W, DEPTH, PAIRS)
         lane = tl.arange(0, 32)
         j = j0 + lane // 4
         _swiglu_store(_warp_sum(gate, W), _warp_sum(up, W), j, lane % 4 == 0, bias, h_row, INTER, alpha, limit)
@@ -409,8 +388,8 @@ def _down_store(y, r, keep, w, bias, out, HIDDEN):
 def _down_tc_kernel(
     ha_ptr, ids_ptr, w_ptr, blocks_ptr, scales_ptr, bias_ptr, part_ptr, zero_ptr,
     stride_be, stride_br, stride_se, stride_sr, stride_bias, stride_ha, HIDDEN,
-    G: tl.constexpr, W: tl.constexpr, DEPTH: tl.constexpr, PREFETCH: tl.constexpr, PAIRS: tl.constexpr,
-    PTX: tl.constexpr, PDL: tl.constexpr,
+    G: tl.constexpr, W: tl.constexpr, DEPTH: tl.constexpr, PAIRS: tl.constexpr, PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(pairs, cdiv(hidden, 16 PAIRS))``: ``part[pair, r] = w_pair * (W_d[e] h_pair + b)[r]`` for
     ``16 PAIRS`` rows; the ``W`` warps split the rows' blocks."""
@@ -433,7 +412,7 @@ def _down_tc_kernel(
         y_a, y_b, y_c, y_d = _lane_rows_dot(
             blocks + ca * stride_br, blocks + cb * stride_br, scales + ca * stride_sr, scales + cb * stride_sr,
             blocks + cc * stride_br, blocks + cd * stride_br, scales + cc * stride_sr, scales + cd * stride_sr,
-            q, kw, supplier, x_row + q * 32, zero_ptr, G, W, DEPTH, PREFETCH, PAIRS)
+            q, kw, supplier, x_row + q * 32, zero_ptr, G, W, DEPTH, PAIRS)
         lane = tl.arange(0, 32)
         r = r0 + lane // 4
         keep = lane % 4 == 0
@@ -461,8 +440,8 @@ def mxfp4_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def _tile_overrides() -> dict[str, int]:
-    """``PERSISTENT_SERVE_MOE_TC="pairs=2,down_depth=2"``: replace :func:`triton_moe_tc`'s tile defaults
-    (for benchmarking a configuration end to end with ``ops.bench_engine``)."""
+    """``PERSISTENT_SERVE_MOE_TC="pairs=2,down_depth=2"``: these tiles win over :func:`triton_moe_tc`'s
+    arguments (for benchmarking a configuration end to end with ``ops.bench_engine``)."""
     spec = os.environ.get("PERSISTENT_SERVE_MOE_TC", "")
     return {k.strip(): int(v) for k, v in (item.split("=") for item in spec.split(",") if item.strip())}
 
@@ -485,8 +464,7 @@ def triton_moe_tc(
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, x_mxfp4: torch.Tensor | None = None, num_warps: int = 4,
     down_num_warps: int | None = 8, depth: int = 1, down_depth: int | None = 2, pairs: int = 1,
-    down_pairs: int | None = 2, prefetch: bool = False,
-    ptx: bool | None = None,
+    down_pairs: int | None = 2, ptx: bool | None = None,
 ) -> torch.Tensor:
     """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches).
 
@@ -507,8 +485,6 @@ def triton_moe_tc(
             ``depth``).
         pairs: row pairs per lane (1 or 2: 16 or 32 rows per program, the second pair sharing the first's
             activations); down_pairs: the down launch's (None: ``pairs``).
-        prefetch: request each program's rows into L2 whole before the loop (``cp.async.bulk.prefetch``;
-            measured slower on an H200, kept for the benchmark's record).
         ptx: the inline-PTX tensor-core path (default: on CUDA); False runs plain Triton (interpreter).
 
     Returns:
@@ -521,8 +497,7 @@ def triton_moe_tc(
     if ptx is None:
         ptx = x.is_cuda and not torch.version.hip
     tiles = {"num_warps": num_warps, "down_num_warps": down_num_warps or num_warps, "depth": depth,
-             "down_depth": down_depth or depth, "pairs": pairs, "down_pairs": down_pairs or pairs,
-             "prefetch": prefetch} | TILE_OVERRIDES
+             "down_depth": down_depth or depth, "pairs": pairs, "down_pairs": down_pairs or pairs} | TILE_OVERRIDES
     if x_mxfp4 is None:
         x_mxfp4 = mxfp4_activations(x)
     pairs_n = t * k  # (token, expert) pairs
@@ -533,16 +508,15 @@ def triton_moe_tc(
         x_mxfp4, ids, gate_up_blocks, gate_up_scales, gate_up_bias, h, zero,
         gate_up_blocks.stride(0), gate_up_blocks.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
         gate_up_bias.stride(0), x_mxfp4.stride(0), h.stride(0), inter, alpha, limit,
-        K=k, G=hidden // BLOCK_SIZE, W=tiles["num_warps"], DEPTH=tiles["depth"], PREFETCH=bool(tiles["prefetch"]),
-        PAIRS=tiles["pairs"], PTX=ptx, num_warps=tiles["num_warps"], **pdl_args(x),
+        K=k, G=hidden // BLOCK_SIZE, W=tiles["num_warps"], DEPTH=tiles["depth"], PAIRS=tiles["pairs"], PTX=ptx,
+        num_warps=tiles["num_warps"], **pdl_args(x),
     )
     out = torch.empty(t, k, hidden, dtype=torch.float32, device=x.device)
     _down_tc_kernel[(pairs_n, triton.cdiv(hidden, 16 * tiles["down_pairs"]))](
         h, ids, weights, down_blocks, down_scales, down_bias, out, zero,
         down_blocks.stride(0), down_blocks.stride(1), down_scales.stride(0), down_scales.stride(1),
         down_bias.stride(0), h.stride(0), hidden,
-        G=inter // BLOCK_SIZE, W=tiles["down_num_warps"], DEPTH=tiles["down_depth"],
-        PREFETCH=bool(tiles["prefetch"]), PAIRS=tiles["down_pairs"], PTX=ptx, num_warps=tiles["down_num_warps"],
-        **pdl_args(x),
+        G=inter // BLOCK_SIZE, W=tiles["down_num_warps"], DEPTH=tiles["down_depth"], PAIRS=tiles["down_pairs"],
+        PTX=ptx, num_warps=tiles["down_num_warps"], **pdl_args(x),
     )
     return out

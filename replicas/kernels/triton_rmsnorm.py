@@ -16,9 +16,7 @@ import triton
 import triton.language as tl
 
 from replicas.kernels.pdl import pdl_args, pdl_wait
-
-MX_SCALE = tl.constexpr(2.0 ** 64)
-"""``replicas.kernels.triton_moe_tc.X_SHIFT``: the MMA-format activations are stored times 2**64."""
+from replicas.kernels.triton_moe_tc import X_SCALE, mma_position
 
 
 @triton.jit
@@ -49,8 +47,7 @@ def _add_rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, y_ptr, ymx_ptr, N, e
     y = y.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * N + offs, y, mask=mask)
     if MXFP4_OUT:  # y again in the tensor-core MoE kernels' activation format (triton_moe_tc.mxfp4_activations)
-        pos = 8 * (offs // 8) + 2 * (offs % 4) + (offs % 8) // 4
-        tl.store(ymx_ptr + row * N + pos, (y.to(tl.float32) * MX_SCALE).to(tl.bfloat16), mask=mask)
+        tl.store(ymx_ptr + row * N + mma_position(offs), (y.to(tl.float32) * X_SCALE).to(tl.bfloat16), mask=mask)
 
 
 def triton_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
