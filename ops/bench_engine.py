@@ -35,6 +35,8 @@ CPU smoke run: ``python -m ops.bench_engine --device cpu --tiny``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import platform
 import statistics
@@ -411,6 +413,13 @@ def run(args) -> list[Row]:
                 profile_rows(graph, args.prompt_len + args.new_tokens // 2, label, args)
             del graph
         moe_dispatch.MOE_KERNEL = default_moe
+        for spec in [v.strip() for v in args.variants.split(";")] if args.variants and device.type == "cuda" else []:
+            with variant(spec):
+                graph = CudaGraphBackend(core.model, device, max_len)
+                row(f"persistent/cuda_graph ({spec or 'defaults'})",
+                    time_persistent(core, graph, prompt, args.new_tokens, args.reps), args.new_tokens,
+                    count_kernels_per_token(graph))
+                del graph
         row("persistent/eager", time_persistent(core, EagerBackend(core.model, device), prompt, slow_tokens,
                                                 1 if gpt_oss else args.reps), slow_tokens)
         row("standard", time_standard(core, prompt, slow_tokens, 1 if gpt_oss else args.reps), slow_tokens)
@@ -439,6 +448,40 @@ def run(args) -> list[Row]:
         del hf
         _free(device)
     return rows
+
+
+VARIANT_KNOBS = {
+    "pdl": ("replicas.kernels.pdl", "ENABLED", lambda v: v == "1"),
+    "moe": ("replicas.kernels.moe", "MOE_KERNEL", str),
+    "tc": ("replicas.kernels.triton_moe_tc", "TILE_OVERRIDES",
+           lambda v: {k: int(n) for k, _, n in (item.partition(":") for item in v.split("+") if item)}),
+}
+"""``--variants`` settings: name → (module, attribute, parser of the value). Each is read when a decode step
+is captured, so one process can time several settings on the same weights."""
+
+
+@contextlib.contextmanager
+def variant(spec: str):
+    """Apply ``"pdl=0 moe=gemv"`` (space-separated ``knob=value`` of :data:`VARIANT_KNOBS`) for the block,
+    then restore the previous values.
+
+    Raises:
+        ValueError: an unknown knob or a malformed setting.
+    """
+    saved = []
+    try:
+        for item in spec.split():
+            name, sep, value = item.partition("=")
+            if not sep or name not in VARIANT_KNOBS:
+                raise ValueError(f"--variants: bad setting {item!r} (known: {', '.join(VARIANT_KNOBS)})")
+            module, attr, parse = VARIANT_KNOBS[name]
+            mod = importlib.import_module(module)
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, parse(value))
+        yield
+    finally:
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
 
 
 def _free(device: torch.device) -> None:
@@ -580,6 +623,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--profile-shape", help="the shape --profile breaks down (default: the last)")
     p.add_argument("--moe-kernels", default="",
                    help="GPT-OSS: also time the persistent lane with these MoE decode kernels (scaled,mma,simt)")
+    p.add_argument("--variants", default="",
+                   help="CUDA: also time the persistent lane under these settings, ';'-separated, each "
+                        "space-separated knob=value (knobs: pdl, moe, tc), e.g. 'pdl=0;moe=gemv;tc=pairs:2+depth:2'")
     p.add_argument("--json", help="write rows as JSON here")
     p.add_argument("--plot", help="write a PNG bar chart here")
     p.add_argument("--replot", help="only re-draw --plot from a --json file of an earlier run")

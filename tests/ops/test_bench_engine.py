@@ -34,3 +34,16 @@ def test_bytes_per_token_at_the_real_gpt_oss_shapes(shape, gigabytes):
     with torch.device("meta"):  # shapes only, nothing allocated
         model = GptOssForCausalLM(GptOssConfig.from_dict(shape_config(shape))).to(torch.bfloat16)
     assert bytes_per_token(model, 1152, 2) / 1e9 == pytest.approx(gigabytes, abs=0.01)
+
+
+def test_variants_apply_settings_then_restore_them():
+    from ops.bench_engine import variant
+    from replicas.kernels import moe
+
+    before = moe.MOE_KERNEL
+    with variant("moe=gemv"):
+        assert moe.MOE_KERNEL == "gemv"
+    assert moe.MOE_KERNEL == before
+    with pytest.raises(ValueError, match="bad setting 'warp=9'"), variant("moe=gemv warp=9"):
+        pass
+    assert moe.MOE_KERNEL == before  # restored after a bad setting too
