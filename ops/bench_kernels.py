@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
+import json
 
 import torch
 
@@ -95,8 +96,11 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     p.add_argument("--top", type=int, default=6, help="configurations printed per kernel family")
     p.add_argument("--kernels", default="simt,mma,scaled,gemv,tc,dense,attention",
                    help="comma-separated kernel families to time: simt, mma, scaled, gemv, tc, dense, attention")
+    p.add_argument("--grid", default="{}",
+                   help='JSON: tile grids that replace a family\'s default one, e.g. \'{"tc": {"depth": [1, 2]}}\'')
     args = p.parse_args(argv)
     families = set(args.kernels.split(","))
+    grids = {name: {k: tuple(v) for k, v in grid.items()} for name, grid in json.loads(args.grid).items()}
     dev = torch.device("cuda")
     e, h, i, k, t = args.experts, args.hidden, args.inter, args.top_k, args.tokens
     gu_b = torch.randint(0, 256, (e, 2 * i, h // 32, 16), dtype=torch.uint8, device=dev)
@@ -133,7 +137,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
             turn[0] += 1
             kernel(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias, 1.702, 7.0,
                    **extra, **tiles)
-        rows += _sweep(title, call, grid, args.top, moved / 1e6, prefix=name)
+        rows += _sweep(title, call, grids.get(name, grid), args.top, moved / 1e6, prefix=name)
     if "dense" in families:
         rows += _bench_dense(dev)
     if "attention" in families:
