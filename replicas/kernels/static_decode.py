@@ -89,16 +89,17 @@ def decode_attention(query, key_plane, value_plane, block_table, context_len, sc
                                    sliding_window=sliding_window)
 
 
-def rope_kv_write(attn, x, cos_table, sin_table, position, block_table, key_plane, value_plane):
+def rope_kv_write(attn, x, cos_table, sin_table, position, block_table, key_plane, value_plane, qkv=None):
     """Project ``x`` ``[B, hidden]`` with ``attn``'s fused qkv, rotate q/k, write k/v to the cache; return q
     ``[B, H, D]`` (``position`` ``[B]``, ``block_table`` ``[B, max_blocks]`` or ``[max_blocks]`` for ``B = 1``).
 
     ``attn`` has ``qkv_proj`` (callable), ``num_heads``, ``num_kv_heads``, ``head_dim``.
     ``cos_table``/``sin_table`` are ``[max_pos, D]`` (Llama, halves repeated) or ``[max_pos, D/2]``
     (GPT-OSS); both rotate the half-split pairs ``(i, i + D/2)``. One Triton launch after the GEMM on
-    CUDA (:mod:`replicas.kernels.triton_rope_kv`); the torch reference elsewhere.
+    CUDA (:mod:`replicas.kernels.triton_rope_kv`); the torch reference elsewhere. ``qkv``: the projection
+    ``[B, (H + 2 KVH) D]`` when the caller computed it (then ``attn.qkv_proj`` is not called).
     """
-    qkv = attn.qkv_proj(x)
+    qkv = attn.qkv_proj(x) if qkv is None else qkv
     kernel = lazy_kernel("replicas.kernels.triton_rope_kv", "triton_rope_kv") if x.is_cuda else None
     if kernel is not None:
         return kernel(qkv, cos_table, sin_table, position, block_table, key_plane, value_plane,
@@ -122,6 +123,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if kernel is not None:
             return kernel(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Llama's MLP input: ``silu(gate) * up`` with ``gate, up = F.linear(x, weight).chunk(2, -1)`` (Shazeer
+    2020); ``x`` ``[T, K]``, ``weight`` ``[2I, K]`` (gate rows over up rows) → ``[T, I]``. One bf16/fp16 row on
+    a GPU: one Triton GEMV launch with the SwiGLU in its epilogue
+    (:func:`replicas.kernels.triton_gemv.triton_gemv`, ``swiglu=True``; fp32 sums, rounded once); otherwise
+    torch, as transformers' ``LlamaMLP``."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
+        kernel = lazy_kernel("replicas.kernels.triton_gemv", "triton_gemv")
+        if kernel is not None:
+            return kernel(x, weight, swiglu=True)
+    gate, up = torch.nn.functional.linear(x, weight).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, norm, weight_in_fp32: bool, mxfp4_out: bool = False):

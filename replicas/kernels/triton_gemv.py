@@ -25,20 +25,29 @@ from replicas.kernels.pdl import pdl_args, pdl_wait
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
-                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    """Grid ``(cdiv(N, BN),)``: ``y[n] = sum_k W[n, k] x[k] (+ b[n])`` for ``BN`` rows, ``BK`` columns a step."""
+                 K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+                 PDL: tl.constexpr):
+    """Grid ``(cdiv(N, BN),)``: ``y[n] = sum_k W[n, k] x[k] (+ b[n])`` for ``BN`` rows, ``BK`` columns a step.
+    With ``SWIGLU`` each program also reads rows ``n + N`` (the up projection under the gate rows ``n``) and
+    stores ``silu(gate) * up``."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
-    rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    if SWIGLU:  # gate rows n, then up rows n + N: one [2 BN] tile
+        n2 = tl.reshape(tl.join(n, n + N), [2 * BN])
+        ok2 = tl.reshape(tl.join(n_ok, n_ok), [2 * BN])
+    else:
+        n2 = n
+        ok2 = n_ok
+    rows = w_ptr + n2.to(tl.int64)[:, None] * stride_wn
     k = tl.arange(0, BK)
     NS: tl.constexpr = (K + BK - 1) // BK
-    w = tl.load(rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)  # weights: before the wait
+    w = tl.load(rows + k[None, :], mask=ok2[:, None] & (k < K)[None, :], other=0.0)  # weights: before the wait
     pdl_wait(PDL)
     x = tl.load(x_ptr + k, mask=k < K, other=0.0)
     for i in tl.static_range(NS):
         if i + 1 < NS:
             kn = (i + 1) * BK + k
-            w_next = tl.load(rows + kn[None, :], mask=n_ok[:, None] & (kn < K)[None, :], other=0.0)
+            w_next = tl.load(rows + kn[None, :], mask=ok2[:, None] & (kn < K)[None, :], other=0.0)
             x_next = tl.load(x_ptr + kn, mask=kn < K, other=0.0)
         part = w.to(tl.float32) * x.to(tl.float32)[None, :]
         if i == 0:
@@ -49,12 +58,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
             w, x = w_next, x_next
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
-        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        y += tl.load(b_ptr + n2, mask=ok2, other=0.0).to(tl.float32)
+    if SWIGLU:
+        gate, up = tl.split(tl.reshape(y, [BN, 2]))
+        y = gate * tl.sigmoid(gate) * up
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                block_n: int = 4, block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                block_n: int = 4, block_k: int | None = None, num_warps: int | None = None,
+                swiglu: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for one row: ``x`` ``[1, K]``, ``weight`` ``[N, K]`` (unit stride along
     K), ``bias`` ``[N]`` or None → ``[1, N]`` in ``x.dtype``, summed in fp32.
 
@@ -63,22 +76,27 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     projections (9.4 and 8.2 us: 3.1 and 2.9 TB/s), 512 columns and 8 warps for narrow outputs such as the
     router (N = 128: 2.1 us, where cuBLAS took 6.1 us).
 
+    ``swiglu``: ``weight`` is ``[2N, K]``, gate rows over up rows (Llama's fused ``gate_up_proj``), and the
+    result is ``silu(gate) * up`` ``[1, N]`` (Shazeer 2020), from the fp32 sums, rounded once.
+
     Raises:
-        ValueError: ``x`` is not one row, or the shapes do not match.
+        ValueError: ``x`` is not one row, or the shapes do not match (an odd row count with ``swiglu``).
     """
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"triton_gemv: expected x [1, K] and weight [N, K], got {tuple(x.shape)} "
-                         f"and {tuple(weight.shape)}")
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != x.shape[1] \
+            or (swiglu and weight.shape[0] % 2):
+        raise ValueError(f"triton_gemv: expected x [1, K] and weight [N, K] (N even with swiglu), got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     n, k = weight.shape
+    n = n // 2 if swiglu else n
     narrow = n <= 256
     block_k = block_k or (512 if narrow else 256)
     num_warps = num_warps or (8 if narrow else 4)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(), weight, bias if bias is not None else weight, y, n, weight.stride(0),
-        K=k, BN=block_n, BK=min(block_k, triton.next_power_of_2(k)), HAS_BIAS=bias is not None,
+        K=k, BN=block_n, BK=min(block_k, triton.next_power_of_2(k)), HAS_BIAS=bias is not None, SWIGLU=swiglu,
         num_warps=num_warps, **pdl_args(x),
     )
     return y

@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
-from replicas.kernels.static_decode import decode_attention, rope_kv_write
+from replicas.kernels.static_decode import (
+    add_rmsnorm,
+    decode_attention,
+    linear,
+    rope_kv_write,
+    swiglu_linear,
+)
 from replicas.models.config import ModelConfig
 from replicas.models.layers import RMSNorm
 from replicas.models.loader import load_safetensors
@@ -128,6 +134,9 @@ class LlamaForCausalLM(nn.Module):
     for the last new token of each of the ``B`` sequences in ``meta``.
     """
 
+    compile_decode_step = False
+    """:meth:`decode_static` is our kernels already: nothing left for Inductor to fuse."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -153,8 +162,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """One greedy-decode step with static shapes and no host sync (CUDA-graph capturable).
 
-        Call it under ``torch.inference_mode()``; it is left undecorated so
-        ``torch.compile`` can trace it whole.
+        Per layer on CUDA at batch one in bf16/fp16 (:mod:`replicas.kernels.static_decode`): qkv GEMV (1
+        Triton launch), RoPE + KV write (1), split-K attention (2), o_proj GEMV (1), residual add + RMSNorm
+        (1), gate_up GEMV with the SwiGLU in its epilogue (1), down GEMV (1), residual add + the next
+        RMSNorm (1); torch references of the same steps elsewhere (the same ops as :meth:`forward`). Call it
+        under ``torch.inference_mode()``.
 
         Args:
             token: ``[B]`` int64, each sequence's pending token (its KV is not yet in the cache).
@@ -167,15 +179,21 @@ class LlamaForCausalLM(nn.Module):
             ``[B, vocab]`` fp32 logits for each sequence's next token.
         """
         context_len = position + 1
+        layers = self.model.layers
         x = self.model.embed_tokens(token)  # [B, hidden]
-        for layer, (kp, vp) in zip(self.model.layers, kv_planes, strict=True):
-            attn = layer.self_attn
-            q = rope_kv_write(attn, layer.input_layernorm(x), self.rope_cos, self.rope_sin, position, block_table,
-                              kp, vp)  # [1, H, D]; k and v are in the cache
+        _, h = add_rmsnorm(x, None, layers[0].input_layernorm, False)
+        for i, (layer, (kp, vp)) in enumerate(zip(layers, kv_planes, strict=True)):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            q = rope_kv_write(attn, h, self.rope_cos, self.rope_sin, position, block_table, kp, vp,
+                              qkv=qkv)  # [B, H, D]; k and v are in the cache
             o = decode_attention(q, kp, vp, block_table, context_len, attn.scale, workspace=self._decode_workspace)
-            x = x + attn.o_proj(o.reshape(x.shape[0], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.model.norm(x)).float()
+            o = linear(o.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
+            x, h = add_rmsnorm(x, o, layer.post_attention_layernorm, False)
+            m = linear(swiglu_linear(h, mlp.gate_up_proj.weight), mlp.down_proj.weight)
+            x, h = add_rmsnorm(x, m, layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm,
+                               False)
+        return self.lm_head(h).float()
 
     @classmethod
     def from_pretrained(

@@ -49,3 +49,18 @@ def test_programmatic_dependent_launch_is_off_off_the_gpu():
     from replicas.kernels.pdl import pdl_args
 
     assert pdl_args(torch.zeros(1)) == {"PDL": False}
+
+
+@pytest.mark.parametrize("n,k,block_k", [(24, 96, 32), (7, 200, 64)])
+def test_gemv_swiglu_epilogue_matches_llama_mlp_input(n, k, block_k):
+    """``swiglu=True``: rows ``[0, n)`` gate, ``[n, 2n)`` up; ``silu(gate) * up`` (rows not a multiple of the
+    tile, a masked last K step)."""
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=g).to(DEVICE)
+    w = torch.randn(2 * n, k, generator=g).to(DEVICE)
+    gate, up = (x @ w.T).chunk(2, dim=-1)
+    ours = triton_gemv(x, w, block_n=4, block_k=block_k, num_warps=1, swiglu=True)
+    assert ours.shape == (1, n)
+    torch.testing.assert_close(ours, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="N even with swiglu"):
+        triton_gemv(x, w[:-1], swiglu=True)
