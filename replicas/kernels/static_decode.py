@@ -139,6 +139,25 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def add_rmsnorm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm, weight_in_fp32: bool,
+                       weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rmsnorm` then the projection that reads the normed rows (:func:`linear`, or
+    :func:`swiglu_linear` with ``swiglu``): ``(x + delta, proj(norm(x + delta)))``; ``x``, ``delta``
+    ``[T, K]``, ``weight`` ``[N, K]`` (``[2N, K]`` with ``swiglu``) → ``([T, K], [T, N])``.
+
+    One bf16/fp16 row on a GPU with ``K <= NORM_MAX_K``: one Triton launch whose programs each recompute the
+    norm (:func:`replicas.kernels.triton_gemv.triton_add_rmsnorm_gemv`); otherwise the two steps.
+    """
+    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
+        kernel = lazy_kernel("replicas.kernels.triton_gemv", "triton_add_rmsnorm_gemv")
+        if kernel is not None and x.shape[1] <= 4096:  # triton_gemv.NORM_MAX_K
+            return kernel(x, delta, norm.weight, norm.eps, weight, bias, weight_in_fp32=weight_in_fp32,
+                          swiglu=swiglu)
+    x, h = add_rmsnorm(x, delta, norm, weight_in_fp32)
+    return x, swiglu_linear(h, weight) if swiglu else linear(h, weight, bias)
+
+
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, norm, weight_in_fp32: bool, mxfp4_out: bool = False):
     """``(x + delta, norm(x + delta))`` for ``[T, hidden]`` rows; ``norm`` has ``weight`` and ``eps``.
     With ``mxfp4_out``, a third result: the normed rows in the tensor-core MoE kernels' activation format

@@ -21,15 +21,27 @@ import triton
 import triton.language as tl
 
 from replicas.kernels.pdl import pdl_args, pdl_wait
+from replicas.kernels.triton_rmsnorm import rmsnorm_row
+
+MAXNREG = 0
+"""Registers per thread the GEMV launches may use (0: ptxas's choice, 127 at the 120b tiles: 4 programs of 4
+warps per SM). A benchmark knob (``ops.bench_engine --variants gemv=64``)."""
+
+
+def _launch_opts(num_warps: int, t: torch.Tensor) -> dict:
+    """``num_warps``, :data:`MAXNREG` when set, and the PDL launch options."""
+    return {"num_warps": num_warps, **({"maxnreg": MAXNREG} if MAXNREG and t.is_cuda else {}), **pdl_args(t)}
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, res_ptr, nw_ptr, xout_ptr, eps,
                  K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                 PDL: tl.constexpr):
+                 NORM: tl.constexpr, HAS_DELTA: tl.constexpr, WEIGHT_FP32: tl.constexpr, PDL: tl.constexpr):
     """Grid ``(cdiv(N, BN),)``: ``y[n] = sum_k W[n, k] x[k] (+ b[n])`` for ``BN`` rows, ``BK`` columns a step.
     With ``SWIGLU`` each program also reads rows ``n + N`` (the up projection under the gate rows ``n``) and
-    stores ``silu(gate) * up``."""
+    stores ``silu(gate) * up``. With ``NORM`` (one step: ``BK >= K``) the input is
+    ``rmsnorm(res + x)`` (weight ``nw``; ``res`` alone without ``HAS_DELTA``), computed by every program;
+    program 0 stores ``res + x`` at ``xout``."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     if SWIGLU:  # gate rows n, then up rows n + N: one [2 BN] tile
@@ -43,7 +55,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn,
     NS: tl.constexpr = (K + BK - 1) // BK
     w = tl.load(rows + k[None, :], mask=ok2[:, None] & (k < K)[None, :], other=0.0)  # weights: before the wait
     pdl_wait(PDL)
-    x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+    if NORM:  # the whole row: the residual add and the RMSNorm that feed this projection
+        x = tl.load(res_ptr + k, mask=k < K, other=0.0)
+        if HAS_DELTA:
+            x = x + tl.load(x_ptr + k, mask=k < K, other=0.0)  # rounded like torch's add
+            if tl.program_id(0) == 0:
+                tl.store(xout_ptr + k, x, mask=k < K)
+        x = rmsnorm_row(x, tl.load(nw_ptr + k, mask=k < K, other=0.0), K, eps, WEIGHT_FP32)
+        x = x.to(res_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0)
     for i in tl.static_range(NS):
         if i + 1 < NS:
             kn = (i + 1) * BK + k
@@ -95,8 +116,54 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     num_warps = num_warps or (8 if narrow else 4)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x.contiguous(), weight, bias if bias is not None else weight, y, n, weight.stride(0),
+        x.contiguous(), weight, bias if bias is not None else weight, y, n, weight.stride(0), x, x, x, 0.0,
         K=k, BN=block_n, BK=min(block_k, triton.next_power_of_2(k)), HAS_BIAS=bias is not None, SWIGLU=swiglu,
-        num_warps=num_warps, **pdl_args(x),
+        NORM=False, HAS_DELTA=False, WEIGHT_FP32=False, **_launch_opts(num_warps, x),
     )
     return y
+
+
+NORM_MAX_K = 4096
+"""Widest input :func:`triton_add_rmsnorm_gemv` takes: each program holds its rows whole ([BN, K] in one step)."""
+
+
+def triton_add_rmsnorm_gemv(residual: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
+                            eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                            weight_in_fp32: bool = False, swiglu: bool = False, block_n: int = 4,
+                            num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add, the RMSNorm and the projection after them in one launch: ``x = residual + delta``,
+    ``(x, F.linear(rmsnorm(x) * norm_weight, weight, bias))`` (with ``swiglu``, as :func:`triton_gemv`).
+
+    Every program recomputes the row's norm (``K`` values, from L2) instead of waiting for a separate
+    add + RMSNorm launch; worth it while ``K`` is small (SmolLM2: 576). The norm matches
+    :func:`~replicas.kernels.triton_rmsnorm.triton_add_rmsnorm` (Llama's or GPT-OSS's weight convention).
+
+    Args:
+        residual: ``[1, K]``; delta: ``[1, K]`` (same dtype) or None (then ``x`` is ``residual``).
+        norm_weight: ``[K]``; eps: the norm's epsilon. weight: ``[N, K]`` (``[2N, K]`` with ``swiglu``).
+
+    Returns:
+        ``(x [1, K], y [1, N])`` in ``residual.dtype``.
+
+    Raises:
+        ValueError: not one row, mismatched shapes, or ``K > NORM_MAX_K``.
+    """
+    k = residual.shape[-1]
+    if residual.dim() != 2 or residual.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != k or k > NORM_MAX_K \
+            or (delta is not None and delta.shape != residual.shape) or (swiglu and weight.shape[0] % 2):
+        raise ValueError(f"triton_add_rmsnorm_gemv: expected residual/delta [1, K <= {NORM_MAX_K}] and weight "
+                         f"[N, K], got {tuple(residual.shape)}, "
+                         f"{None if delta is None else tuple(delta.shape)} and {tuple(weight.shape)}")
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    residual = residual.contiguous()
+    x_new = torch.empty_like(residual) if delta is not None else residual
+    y = torch.empty(1, n, dtype=residual.dtype, device=residual.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        delta.contiguous() if delta is not None else residual, weight, bias if bias is not None else weight, y, n,
+        weight.stride(0), residual, norm_weight, x_new, eps,
+        K=k, BN=block_n, BK=triton.next_power_of_2(k), HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=True,
+        HAS_DELTA=delta is not None, WEIGHT_FP32=weight_in_fp32, **_launch_opts(num_warps, residual),
+    )
+    return x_new, y

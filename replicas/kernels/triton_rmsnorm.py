@@ -20,6 +20,19 @@ from replicas.kernels.triton_moe_tc import X_SCALE, mma_position
 
 
 @triton.jit
+def rmsnorm_row(x, w, N, eps, WEIGHT_FP32: tl.constexpr):
+    """RMSNorm of one row ``x`` ``[BLOCK]`` (its ``N`` real elements; the rest zeros) with weight ``w``
+    ``[BLOCK]``: fp32 statistics, the weight applied in fp32 (``WEIGHT_FP32``, GPT-OSS) or after rounding to
+    ``x.dtype`` (Llama), as :func:`replicas.models.layers.rms_norm`."""
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
+    if WEIGHT_FP32:
+        return w.to(tl.float32) * (xf * inv)
+    else:
+        return w * (xf * inv).to(x.dtype)
+
+
+@triton.jit
 def _add_rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, y_ptr, ymx_ptr, N, eps,
                         BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, WEIGHT_FP32: tl.constexpr,
                         NPART: tl.constexpr, MXFP4_OUT: tl.constexpr, PDL: tl.constexpr):
@@ -38,13 +51,7 @@ def _add_rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, y_ptr, ymx_ptr, N, e
     elif HAS_DELTA:
         x = x + tl.load(delta_ptr + row * N + offs, mask=mask, other=0.0)  # rounded like torch's add
         tl.store(x_out_ptr + row * N + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
-    if WEIGHT_FP32:
-        y = w.to(tl.float32) * (xf * inv)
-    else:
-        y = w * (xf * inv).to(x.dtype)
-    y = y.to(y_ptr.dtype.element_ty)
+    y = rmsnorm_row(x, w, N, eps, WEIGHT_FP32).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * N + offs, y, mask=mask)
     if MXFP4_OUT:  # y again in the tensor-core MoE kernels' activation format (triton_moe_tc.mxfp4_activations)
         tl.store(ymx_ptr + row * N + mma_position(offs), (y.to(tl.float32) * X_SCALE).to(tl.bfloat16), mask=mask)

@@ -19,10 +19,10 @@ from torch import nn
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from replicas.kernels.static_decode import (
     add_rmsnorm,
+    add_rmsnorm_linear,
     decode_attention,
     linear,
     rope_kv_write,
-    swiglu_linear,
 )
 from replicas.models.config import ModelConfig
 from replicas.models.layers import RMSNorm
@@ -162,11 +162,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """One greedy-decode step with static shapes and no host sync (CUDA-graph capturable).
 
-        Per layer on CUDA at batch one in bf16/fp16 (:mod:`replicas.kernels.static_decode`): qkv GEMV (1
-        Triton launch), RoPE + KV write (1), split-K attention (2), o_proj GEMV (1), residual add + RMSNorm
-        (1), gate_up GEMV with the SwiGLU in its epilogue (1), down GEMV (1), residual add + the next
-        RMSNorm (1); torch references of the same steps elsewhere (the same ops as :meth:`forward`). Call it
-        under ``torch.inference_mode()``.
+        Per layer on CUDA at batch one in bf16/fp16 (:mod:`replicas.kernels.static_decode`): residual add +
+        RMSNorm + qkv GEMV (1 Triton launch), RoPE + KV write (1), split-K attention (2), o_proj GEMV (1),
+        residual add + RMSNorm + gate_up GEMV with the SwiGLU in its epilogue (1), down GEMV (1); the last
+        residual add + the final norm (1) before the LM head. Torch references of the same steps elsewhere
+        (the same ops as :meth:`forward`). Call it under ``torch.inference_mode()``.
 
         Args:
             token: ``[B]`` int64, each sequence's pending token (its KV is not yet in the cache).
@@ -179,20 +179,20 @@ class LlamaForCausalLM(nn.Module):
             ``[B, vocab]`` fp32 logits for each sequence's next token.
         """
         context_len = position + 1
-        layers = self.model.layers
         x = self.model.embed_tokens(token)  # [B, hidden]
-        _, h = add_rmsnorm(x, None, layers[0].input_layernorm, False)
-        for i, (layer, (kp, vp)) in enumerate(zip(layers, kv_planes, strict=True)):
+        m = None  # the MLP output not yet added to the residual stream x
+        for layer, (kp, vp) in zip(self.model.layers, kv_planes, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
-            q = rope_kv_write(attn, h, self.rope_cos, self.rope_sin, position, block_table, kp, vp,
+            x, qkv = add_rmsnorm_linear(x, m, layer.input_layernorm, False, attn.qkv_proj.weight,
+                                        attn.qkv_proj.bias)
+            q = rope_kv_write(attn, x, self.rope_cos, self.rope_sin, position, block_table, kp, vp,
                               qkv=qkv)  # [B, H, D]; k and v are in the cache
             o = decode_attention(q, kp, vp, block_table, context_len, attn.scale, workspace=self._decode_workspace)
             o = linear(o.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
-            x, h = add_rmsnorm(x, o, layer.post_attention_layernorm, False)
-            m = linear(swiglu_linear(h, mlp.gate_up_proj.weight), mlp.down_proj.weight)
-            x, h = add_rmsnorm(x, m, layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm,
-                               False)
+            x, g = add_rmsnorm_linear(x, o, layer.post_attention_layernorm, False, mlp.gate_up_proj.weight,
+                                      swiglu=True)
+            m = linear(g, mlp.down_proj.weight)
+        _, h = add_rmsnorm(x, m, self.model.norm, False)
         return self.lm_head(h).float()
 
     @classmethod

@@ -64,3 +64,31 @@ def test_gemv_swiglu_epilogue_matches_llama_mlp_input(n, k, block_k):
     torch.testing.assert_close(ours, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="N even with swiglu"):
         triton_gemv(x, w[:-1], swiglu=True)
+
+
+@pytest.mark.parametrize("with_delta,swiglu,weight_in_fp32", [(True, False, False), (False, True, False),
+                                                               (True, True, True)])
+def test_add_rmsnorm_gemv_matches_the_two_steps(with_delta, swiglu, weight_in_fp32):
+    """The residual add + RMSNorm recomputed by every program of the projection's launch: the same ``x`` and
+    the same projection as ``add_rmsnorm_reference`` then ``F.linear`` (K = 200: not a power of two)."""
+    from replicas.kernels.static_decode import add_rmsnorm_reference
+    from replicas.kernels.triton_gemv import triton_add_rmsnorm_gemv
+
+    g = torch.Generator().manual_seed(int(with_delta) + 2 * int(swiglu))
+    k, n = 200, 24
+    res = torch.randn(1, k, generator=g).to(DEVICE)
+    delta = torch.randn(1, k, generator=g).to(DEVICE) if with_delta else None
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE)
+    w = torch.randn(2 * n if swiglu else n, k, generator=g).to(DEVICE)
+    bias = None if swiglu else torch.randn(n, generator=g).to(DEVICE)
+    x, y = triton_add_rmsnorm_gemv(res, delta, nw, 1e-5, w, bias, weight_in_fp32=weight_in_fp32, swiglu=swiglu,
+                                   num_warps=1)
+    x_ref, h = add_rmsnorm_reference(res, delta, nw, 1e-5, weight_in_fp32)
+    proj = torch.nn.functional.linear(h, w, bias)
+    if swiglu:
+        gate, up = proj.chunk(2, dim=-1)
+        proj = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(x, x_ref, rtol=0, atol=0)
+    torch.testing.assert_close(y, proj, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="K <= 4096"):
+        triton_add_rmsnorm_gemv(res, delta, nw, 1e-5, w[:, :100])
