@@ -27,6 +27,20 @@ from replicas.kernels.pdl import pdl_args, pdl_wait
 TOKENS_PER_ITER = 64
 """Keys per inner iteration: four 16-token pages gathered into one tile."""
 
+SPLITS = 16
+"""Default split count (``python -m ops.bench_kernels --kernels attention``: the best at gpt-oss-120b's 8 KV
+heads and a 1,152-token context, with its 128-token window layers)."""
+
+FEW_HEADS_SPLITS = 32
+"""Split count when fewer than 8 (sequence, KV head) pairs share the launch (SmolLM2 at batch one: 3): a
+split covers ``cdiv(cdiv(context, splits), 64) * 64`` tokens, so at 1,152 tokens 16 splits leave 9 programs
+per KV head with two 64-token iterations each, and 32 leave 18 with one."""
+
+
+def default_splits(num_kv_heads: int, batch: int) -> int:
+    """:data:`FEW_HEADS_SPLITS` when ``num_kv_heads * batch < 8``, else :data:`SPLITS`."""
+    return FEW_HEADS_SPLITS if num_kv_heads * batch < 8 else SPLITS
+
 
 @triton.jit
 def _split_kernel(
@@ -115,7 +129,7 @@ def _merge_kernel(
 def triton_decode_attention(
     query: torch.Tensor, key_plane: torch.Tensor, value_plane: torch.Tensor,
     block_table: torch.Tensor, context_len: torch.Tensor, scale: float, *,
-    sinks: torch.Tensor | None = None, sliding_window: int | None = None, num_splits: int = 16,
+    sinks: torch.Tensor | None = None, sliding_window: int | None = None, num_splits: int | None = None,
     workspace: dict | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``query`` ``[B, H, D]`` (one token per sequence) over each sequence's paged
@@ -125,7 +139,7 @@ def triton_decode_attention(
         key_plane, value_plane: ``[num_blocks, PAGE_SIZE, KVH, D]``, contiguous in the last two dims.
         block_table: ``[B, max_blocks]`` (or ``[max_blocks]`` for ``B = 1``) int64 page ids;
             context_len: ``[B]`` int64 (on the device; 0 marks a padding row, whose output is 0).
-        num_splits: programs per KV head along the context (split-K).
+        num_splits: programs per KV head along the context (split-K); None: :func:`default_splits`.
         workspace: optional dict reused across calls for the partial buffers (keeps a
             captured graph's allocations fixed).
 
@@ -135,6 +149,7 @@ def triton_decode_attention(
     batch, num_heads, head_dim = query.shape
     block_table = block_table.view(batch, -1) if block_table.dim() == 1 else block_table
     kvh = key_plane.shape[2]
+    num_splits = num_splits or default_splits(kvh, batch)
     group = num_heads // kvh
     gp = max(16, triton.next_power_of_2(group))
     ws = workspace if workspace is not None else {}

@@ -43,6 +43,19 @@ def test_matches_reference(heads, kv_heads, head_dim, ctx, splits):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("heads,kv_heads,ctx", [(9, 3, 600), (64, 8, 130)])
+def test_default_split_count(heads, kv_heads, ctx):
+    """Without ``num_splits``: 32 splits for SmolLM2's 3 KV heads at batch one, 16 for GPT-OSS's 8."""
+    from replicas.kernels.triton_decode_attention import default_splits
+
+    assert default_splits(kv_heads, 1) == (32 if kv_heads == 3 else 16) and default_splits(3, 4) == 16
+    q, kp, vp, table, c = _case(heads, kv_heads, 64, ctx, seed=5)
+    ws: dict = {}
+    got = triton_decode_attention(q, kp, vp, table, c, 0.125, workspace=ws)
+    assert ws["key"][2] == default_splits(kv_heads, 1)  # the split count the partial buffers were sized for
+    torch.testing.assert_close(got, static_decode_attention(q, kp, vp, table, c, 0.125), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("window", [None, 128, 5])
 def test_sinks_and_window_match_reference(window):
     q, kp, vp, table, c = _case(64, 8, 64, 300, seed=3)
