@@ -453,7 +453,6 @@ def run(args) -> list[Row]:
 VARIANT_KNOBS = {
     "pdl": ("replicas.kernels.pdl", "ENABLED", lambda v: v == "1"),
     "moe": ("replicas.kernels.moe", "MOE_KERNEL", str),
-    "gemv": ("replicas.kernels.triton_gemv", "MAXNREG", int),
     "splits": ("replicas.kernels.triton_decode_attention", "FEW_HEADS_SPLITS", int),
     "tc": ("replicas.kernels.triton_moe_tc", "TILE_OVERRIDES",
            lambda v: {k: int(n) for k, _, n in (item.partition(":") for item in v.split("+") if item)}),
@@ -627,7 +626,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                    help="GPT-OSS: also time the persistent lane with these MoE decode kernels (scaled,mma,simt)")
     p.add_argument("--variants", default="",
                    help="CUDA: also time the persistent lane under these settings, ';'-separated, each "
-                        "space-separated knob=value (knobs: pdl, moe, gemv, splits, tc), e.g. 'pdl=0;moe=gemv;tc=pairs:2+depth:2'")
+                        "space-separated knob=value (knobs: pdl, moe, splits, tc), e.g. 'pdl=0;moe=gemv;tc=pairs:2+depth:2'")
     p.add_argument("--json", help="write rows as JSON here")
     p.add_argument("--plot", help="write a PNG bar chart here")
     p.add_argument("--replot", help="only re-draw --plot from a --json file of an earlier run")

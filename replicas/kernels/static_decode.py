@@ -151,9 +151,12 @@ def add_rmsnorm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm, weight
     """
     if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
         kernel = lazy_kernel("replicas.kernels.triton_gemv", "triton_add_rmsnorm_gemv")
-        if kernel is not None and x.shape[1] <= 4096:  # triton_gemv.NORM_MAX_K
-            return kernel(x, delta, norm.weight, norm.eps, weight, bias, weight_in_fp32=weight_in_fp32,
-                          swiglu=swiglu)
+        if kernel is not None:
+            from replicas.kernels.triton_gemv import NORM_MAX_K
+
+            if x.shape[1] <= NORM_MAX_K:
+                return kernel(x, delta, norm.weight, norm.eps, weight, bias, weight_in_fp32=weight_in_fp32,
+                              swiglu=swiglu)
     x, h = add_rmsnorm(x, delta, norm, weight_in_fp32)
     return x, swiglu_linear(h, weight) if swiglu else linear(h, weight, bias)
 

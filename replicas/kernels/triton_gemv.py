@@ -23,15 +23,6 @@ import triton.language as tl
 from replicas.kernels.pdl import pdl_args, pdl_wait
 from replicas.kernels.triton_rmsnorm import rmsnorm_row
 
-MAXNREG = 0
-"""Registers per thread the GEMV launches may use (0: ptxas's choice, 127 at the 120b tiles: 4 programs of 4
-warps per SM). A benchmark knob (``ops.bench_engine --variants gemv=64``)."""
-
-
-def _launch_opts(num_warps: int, t: torch.Tensor) -> dict:
-    """``num_warps``, :data:`MAXNREG` when set, and the PDL launch options."""
-    return {"num_warps": num_warps, **({"maxnreg": MAXNREG} if MAXNREG and t.is_cuda else {}), **pdl_args(t)}
-
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, res_ptr, nw_ptr, xout_ptr, eps,
@@ -86,6 +77,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, res_ptr, nw_ptr, xout
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
+def _weight_rows(weight: torch.Tensor, k: int, swiglu: bool, who: str) -> tuple[torch.Tensor, int]:
+    """``weight`` ``[N, k]`` with unit stride along K (copied if not) and the output count (``N / 2`` with
+    ``swiglu``). Raises ValueError (naming ``who``) on another shape or an odd ``N`` with ``swiglu``."""
+    if weight.dim() != 2 or weight.shape[1] != k or (swiglu and weight.shape[0] % 2):
+        raise ValueError(f"{who}: expected weight [N, {k}] (N even with swiglu), got {tuple(weight.shape)}")
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    return weight, weight.shape[0] // 2 if swiglu else weight.shape[0]
+
+
 def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 block_n: int = 4, block_k: int | None = None, num_warps: int | None = None,
                 swiglu: bool = False) -> torch.Tensor:
@@ -103,14 +103,10 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     Raises:
         ValueError: ``x`` is not one row, or the shapes do not match (an odd row count with ``swiglu``).
     """
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != x.shape[1] \
-            or (swiglu and weight.shape[0] % 2):
-        raise ValueError(f"triton_gemv: expected x [1, K] and weight [N, K] (N even with swiglu), got "
-                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    n, k = weight.shape
-    n = n // 2 if swiglu else n
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"triton_gemv: expected x [1, K], got {tuple(x.shape)}")
+    k = x.shape[1]
+    weight, n = _weight_rows(weight, k, swiglu, "triton_gemv")
     narrow = n <= 256
     block_k = block_k or (512 if narrow else 256)
     num_warps = num_warps or (8 if narrow else 4)
@@ -118,7 +114,7 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(), weight, bias if bias is not None else weight, y, n, weight.stride(0), x, x, x, 0.0,
         K=k, BN=block_n, BK=min(block_k, triton.next_power_of_2(k)), HAS_BIAS=bias is not None, SWIGLU=swiglu,
-        NORM=False, HAS_DELTA=False, WEIGHT_FP32=False, **_launch_opts(num_warps, x),
+        NORM=False, HAS_DELTA=False, WEIGHT_FP32=False, num_warps=num_warps, **pdl_args(x),
     )
     return y
 
@@ -149,14 +145,11 @@ def triton_add_rmsnorm_gemv(residual: torch.Tensor, delta: torch.Tensor | None, 
         ValueError: not one row, mismatched shapes, or ``K > NORM_MAX_K``.
     """
     k = residual.shape[-1]
-    if residual.dim() != 2 or residual.shape[0] != 1 or weight.dim() != 2 or weight.shape[1] != k or k > NORM_MAX_K \
-            or (delta is not None and delta.shape != residual.shape) or (swiglu and weight.shape[0] % 2):
-        raise ValueError(f"triton_add_rmsnorm_gemv: expected residual/delta [1, K <= {NORM_MAX_K}] and weight "
-                         f"[N, K], got {tuple(residual.shape)}, "
-                         f"{None if delta is None else tuple(delta.shape)} and {tuple(weight.shape)}")
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    if residual.dim() != 2 or residual.shape[0] != 1 or k > NORM_MAX_K \
+            or (delta is not None and delta.shape != residual.shape):
+        raise ValueError(f"triton_add_rmsnorm_gemv: expected residual and delta [1, K <= {NORM_MAX_K}], got "
+                         f"{tuple(residual.shape)} and {None if delta is None else tuple(delta.shape)}")
+    weight, n = _weight_rows(weight, k, swiglu, "triton_add_rmsnorm_gemv")
     residual = residual.contiguous()
     x_new = torch.empty_like(residual) if delta is not None else residual
     y = torch.empty(1, n, dtype=residual.dtype, device=residual.device)
@@ -164,6 +157,6 @@ def triton_add_rmsnorm_gemv(residual: torch.Tensor, delta: torch.Tensor | None, 
         delta.contiguous() if delta is not None else residual, weight, bias if bias is not None else weight, y, n,
         weight.stride(0), residual, norm_weight, x_new, eps,
         K=k, BN=block_n, BK=triton.next_power_of_2(k), HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=True,
-        HAS_DELTA=delta is not None, WEIGHT_FP32=weight_in_fp32, **_launch_opts(num_warps, residual),
+        HAS_DELTA=delta is not None, WEIGHT_FP32=weight_in_fp32, num_warps=num_warps, **pdl_args(residual),
     )
     return x_new, y

@@ -90,5 +90,8 @@ def test_add_rmsnorm_gemv_matches_the_two_steps(with_delta, swiglu, weight_in_fp
         proj = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(x, x_ref, rtol=0, atol=0)
     torch.testing.assert_close(y, proj, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="K <= 4096"):
+    with pytest.raises(ValueError, match="weight \\[N, 200\\]"):
         triton_add_rmsnorm_gemv(res, delta, nw, 1e-5, w[:, :100])
+    wide = torch.zeros(1, 4160, device=DEVICE)
+    with pytest.raises(ValueError, match="K <= 4096"):
+        triton_add_rmsnorm_gemv(wide, None, torch.ones(4160, device=DEVICE), 1e-5, torch.zeros(4, 4160, device=DEVICE))
