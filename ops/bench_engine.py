@@ -450,12 +450,19 @@ def run(args) -> list[Row]:
     return rows
 
 
+def _tiles(value: str) -> dict[str, int]:
+    """``"pairs:2+stages:1"`` → ``{"pairs": 2, "stages": 1}`` (a kernel family's tile overrides)."""
+    return {k: int(n) for k, _, n in (item.partition(":") for item in value.split("+") if item)}
+
+
 VARIANT_KNOBS = {
     "pdl": ("replicas.kernels.pdl", "ENABLED", lambda v: v == "1"),
     "moe": ("replicas.kernels.moe", "MOE_KERNEL", str),
     "splits": ("replicas.kernels.triton_decode_attention", "FEW_HEADS_SPLITS", int),
-    "tc": ("replicas.kernels.triton_moe_tc", "TILE_OVERRIDES",
-           lambda v: {k: int(n) for k, _, n in (item.partition(":") for item in v.split("+") if item)}),
+    "tc": ("replicas.kernels.triton_moe_tc", "TILE_OVERRIDES", _tiles),
+    "bulk": ("replicas.kernels.cuda_moe_bulk", "TILE_OVERRIDES", _tiles),
+    "dense": ("replicas.kernels.static_decode", "DENSE_KERNEL", str),
+    "gemv": ("replicas.kernels.cuda_gemv_bulk", "TILE_OVERRIDES", _tiles),
 }
 """``--variants`` settings: name → (module, attribute, parser of the value). Each is read when a decode step
 is captured, so one process can time several settings on the same weights."""
@@ -626,7 +633,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                    help="GPT-OSS: also time the persistent lane with these MoE decode kernels (scaled,mma,simt)")
     p.add_argument("--variants", default="",
                    help="CUDA: also time the persistent lane under these settings, ';'-separated, each "
-                        "space-separated knob=value (knobs: pdl, moe, splits, tc), e.g. 'pdl=0;moe=gemv;tc=pairs:2+depth:2'")
+                        "space-separated knob=value (knobs: pdl, moe, splits, tc, bulk, dense, gemv), e.g. 'pdl=0;moe=gemv;tc=pairs:2+depth:2'")
     p.add_argument("--json", help="write rows as JSON here")
     p.add_argument("--plot", help="write a PNG bar chart here")
     p.add_argument("--replot", help="only re-draw --plot from a --json file of an earlier run")

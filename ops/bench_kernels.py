@@ -82,6 +82,10 @@ MOE_FAMILIES = {
     "tc": ("tensor-core kernels, inline-PTX mma.sync (triton_moe_tc, 2 launches)", "replicas.kernels.triton_moe_tc",
            "triton_moe_tc", {"num_warps": (4,), "down_num_warps": (4, 8), "depth": (1,), "down_depth": (1, 2),
                               "pairs": (1, 2), "down_pairs": (1, 2)}),
+    "bulk": ("tensor-core math, weights bulk-copied to shared memory (cuda_moe_bulk, 2 launches)",
+             "replicas.kernels.cuda_moe_bulk", "cuda_moe_bulk",
+             {"num_warps": (4, 8), "down_num_warps": (4, 8), "down_pairs": (1, 2), "stages": (2, 4, 6),
+              "blocks_per_sm": (1, 2, 4)}),
 }
 """MoE kernel families: (title, module, function, tile grid swept)."""
 
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
         kernel = getattr(importlib.import_module(module), fn_name)
 
         extra = {}
-        if name == "tc":  # its activations come in its own format from the launch that produced them
+        if name in ("tc", "bulk"):  # their activations come in its own format from the launch that produced them
             from replicas.kernels.triton_moe_tc import mxfp4_activations
             extra = {"x_mxfp4": mxfp4_activations(x)}
 
@@ -174,6 +178,7 @@ def _bench_attention(dev: torch.device) -> list[tuple]:
 def _bench_dense(dev: torch.device) -> list[tuple]:
     """The batch-one bf16 GEMV (``triton_gemv``) against cuBLAS (``F.linear``) at gpt-oss-120b's attention
     projections and router; 8 weight copies rotated per call so that L2 never holds them."""
+    from replicas.kernels.cuda_gemv_bulk import cuda_gemv_bulk
     from replicas.kernels.triton_gemv import triton_gemv
 
     rows = []
@@ -192,6 +197,10 @@ def _bench_dense(dev: torch.device) -> list[tuple]:
         rows += _sweep(f"triton_gemv {name}", lambda call=call, **tiles: call(triton_gemv, **tiles),
                        {"block_n": (4, 8, 16), "block_k": (256, 512, 1024), "num_warps": (4, 8)}, 4, mb,
                        prefix=name)
+        if n % 8 == 0:
+            rows += _sweep(f"cuda_gemv_bulk {name}", lambda call=call, **tiles: call(cuda_gemv_bulk, **tiles),
+                           {"rows": (2, 4, 8), "stages": (2, 4, 8), "blocks_per_sm": (1, 2, 4)}, 4, mb,
+                           prefix=name)
     return rows
 
 

@@ -26,15 +26,22 @@ MOE_KERNEL = os.environ.get("PERSISTENT_SERVE_MOE_KERNEL", "tc")
 tensor cores, fp32 sums, activations rounded to bf16 (:mod:`replicas.kernels.triton_moe_tc`, NVIDIA only;
 the fastest on an H200; fp32 models use ``gemv`` instead, which stays exact); ``gemv`` — inline-PTX E2M1
 decoding straight to fp32, exact fp32 sums on the SIMT cores (:mod:`replicas.kernels.triton_moe_gemv`);
-``mma`` — inline-PTX decoding to fp16 + ``tl.dot`` (:mod:`replicas.kernels.triton_moe_mma`);
+``bulk`` — the same tensor-core math in CUDA C++ with the weights bulk-copied into shared memory
+(:mod:`replicas.kernels.cuda_moe_bulk`, Hopper and newer); ``mma`` — inline-PTX decoding to fp16 + ``tl.dot`` (:mod:`replicas.kernels.triton_moe_mma`);
 ``scaled`` — ``tl.dot_scaled`` (:mod:`replicas.kernels.triton_moe_scaled`); ``simt`` — the portable
 scalar kernels of :mod:`replicas.kernels.triton_moe` (also used on ROCm). Environment
 ``PERSISTENT_SERVE_MOE_KERNEL`` selects one; ``python -m ops.bench_kernels`` compares them."""
 
 _PARTIALS = {"tc": ("replicas.kernels.triton_moe_tc", "triton_moe_tc"),
+             "bulk": ("replicas.kernels.cuda_moe_bulk", "cuda_moe_bulk"),
              "gemv": ("replicas.kernels.triton_moe_gemv", "triton_moe_gemv"),
              "scaled": ("replicas.kernels.triton_moe_scaled", "triton_moe_scaled"),
              "mma": ("replicas.kernels.triton_moe_mma", "triton_moe_partials")}
+
+
+MXFP4_FORMAT_KERNELS = ("tc", "bulk")
+"""The kernels that read their activations in :func:`~replicas.kernels.triton_moe_tc.mxfp4_activations`'s
+format."""
 
 
 def _partials_name(x: torch.Tensor) -> str | None:
@@ -56,7 +63,7 @@ def moe_takes_mxfp4(x: torch.Tensor) -> bool:
     """Whether the decode MoE kernel for ``x`` reads its activations in the tensor-core format
     (:func:`~replicas.kernels.triton_moe_tc.mxfp4_activations`): the add+RMSNorm launch before it then writes
     them too (``add_rmsnorm(..., mxfp4_out=True)``), saving a conversion per layer."""
-    return _partials_name(x) == "tc" and _partials_kernel(x) is not None
+    return _partials_name(x) in MXFP4_FORMAT_KERNELS and _partials_kernel(x) is not None
 
 
 def _packed(experts) -> tuple:

@@ -69,38 +69,46 @@ X_SHIFT = tl.constexpr(64)
 X_SCALE = tl.constexpr(float(2 ** X_SHIFT.value))
 
 
-def _mma_asm() -> str:
+def mma_asm(ref: str = "$", chains: int = 1) -> str:
     """PTX for one lane and one step: 8 packed words (``$2..$5`` row a, ``$6..$9`` row b: its 32-value block
     of each row) and the block's 32 activations as 16 bf16 pairs (``$10..$25``; zeros in lanes that supply no
     B operand); 16 code pairs decoded per row, 8 MMAs; ``$0`` / ``$1``: the two rows' block partial sums
-    (unscaled)."""
-    lines = ["{", ".reg .b32 a<4>, e, s;", ".reg .f32 c<4>;",
-             "mov.b32 c0, 0f00000000; mov.b32 c1, 0f00000000; mov.b32 c2, 0f00000000; mov.b32 c3, 0f00000000;"]
-    # pair p of a word: codes (p, p + 4) of its 8; magnitude bits to bf16 bits 8..6 / 24..22, sign bit to
-    # 15 / 31 (shift of the magnitude, shift of the sign)
-    shifts = [("shl", 6, 12), ("shl", 2, 8), ("shr", 2, 4), ("shr", 6, 0)]
+    (unscaled). ``ref``: the operand prefix (``$`` for Triton's inline asm, ``%`` for CUDA C++'s).
+    ``chains``: 1 or 2 independent accumulator chains (2 halves the MMAs' dependent latency).
+
+    A code pair ``(p, p + 4)`` of a word (bits ``4p..4p+3`` and ``4p+16..4p+19``; pairs 2 and 3 are read from
+    the word shifted right by 8) is decoded in three instructions: mask its two nibbles; multiply by
+    ``2**a + 2**b``, which places a copy of each nibble so that its magnitude bits land on bf16 bits 8..6 and
+    another so that its sign lands on bit 15 (the copies do not overlap, so the product is their OR); mask
+    those bits. The multiplications (and the shift, a ``mul.hi``) run on the FMA pipe, leaving two ``lop3``
+    per pair on the integer ALU pipe, which runs at half the issue rate on an H200."""
+    acc = ["c", "d"][:chains]
+    lines = ["{", ".reg .b32 a<4>, m, t, h<8>;", ".reg .f32 " + ", ".join(f"{c}<4>" for c in acc) + ";"]
+    lines += [f"mov.b32 {c}{i}, 0f00000000;" for c in acc for i in range(4)]
+    lines += [f"mul.hi.u32 h{i}, {ref}{2 + i}, 0x1000000;" for i in range(8)]  # the words shifted right by 8
+    # pair p' of a (shifted) word: nibble mask, multiplier (magnitude shift, sign shift)
+    forms = [(0x000F000F, (1 << 6) + (1 << 12)), (0x00F000F0, (1 << 2) + (1 << 8))]
 
     def pair(dst, word, p):
-        op, m, sgn = shifts[p]
-        out = [f"{op}.b32 e, {word}, {m};", "and.b32 e, e, 0x01C001C0;"]
-        if sgn:
-            out += [f"shl.b32 s, {word}, {sgn};", f"lop3.b32 {dst}, e, s, 0x80008000, 0xF8;"]
-        else:
-            out += [f"lop3.b32 {dst}, e, {word}, 0x80008000, 0xF8;"]
-        return out
+        mask, mult = forms[p % 2]
+        src = f"{ref}{2 + word}" if p < 2 else f"h{word}"
+        return [f"and.b32 m, {src}, {mask:#010x};", f"mul.lo.u32 t, m, {mult:#x};", f"and.b32 {dst}, t, 0x81C081C0;"]
 
     for i in range(8):  # MMA i: word i // 2, pairs (0, 1) or (2, 3) as k-columns (2q, 2q+1) and (2q+8, 2q+9)
         w, p0 = i // 2, 2 * (i % 2)
-        for reg, word, p in (("a0", f"${2 + w}", p0), ("a2", f"${2 + w}", p0 + 1),
-                             ("a1", f"${6 + w}", p0), ("a3", f"${6 + w}", p0 + 1)):
+        for reg, word, p in (("a0", w, p0), ("a2", w, p0 + 1), ("a1", 4 + w, p0), ("a3", 4 + w, p0 + 1)):
             lines += pair(reg, word, p)
-        lines.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {c0, c1, c2, c3}, {a0, a1, a2, a3}, "
-                     f"{{${10 + 4 * w + p0}, ${10 + 4 * w + p0 + 1}}}, {{c0, c1, c2, c3}};")
-    lines += ["mov.b32 $0, c0;", "mov.b32 $1, c2;", "}"]
+        c = acc[i % chains]
+        lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{c}0, {c}1, {c}2, {c}3}}, "
+                     f"{{a0, a1, a2, a3}}, {{{ref}{10 + 4 * w + p0}, {ref}{10 + 4 * w + p0 + 1}}}, "
+                     f"{{{c}0, {c}1, {c}2, {c}3}};")
+    if chains == 2:
+        lines += ["add.f32 c0, c0, d0;", "add.f32 c2, c2, d2;"]
+    lines += [f"mov.b32 {ref}0, c0;", f"mov.b32 {ref}1, c2;", "}"]
     return "\n".join(lines)
 
 
-_MMA_ASM = tl.constexpr(_mma_asm())
+_MMA_ASM = tl.constexpr(mma_asm())
 _MMA_CONSTRAINTS = tl.constexpr("=r,=r," + ",".join(["r"] * 24))
 
 _LOAD_ASM = tl.constexpr("""

@@ -237,3 +237,74 @@ def test_decode_moe_glue_tc_matches_exact_gemv(monkeypatch):
     moe_tc, moe_exact = x_tc.float() - x.float(), x_exact.float() - x.float()
     assert moe_exact.abs().max() > 1
     assert ((moe_tc - moe_exact).abs().max() / moe_exact.abs().max()).item() < 3e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_bulk_copy_mxfp4_moe_at_120b_dims(tokens):
+    """The CUDA C++ kernels with bulk-copied weights: the tensor-core kernels' arithmetic (same fp32 math
+    within summation order) for every tile they take, and bf16 tolerance of the all-fp32 reference."""
+    from replicas.kernels.cuda_moe_bulk import cuda_moe_bulk
+    from replicas.kernels.moe import moe_reference
+    from replicas.kernels.triton_moe_tc import mxfp4_activations
+
+    experts = Experts(torch.bfloat16, seed=tokens + 60)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, 4, generator=g, device="cuda"), -1).bfloat16()
+    args = (x, w, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.gate_up_proj_bias,
+            experts.down_proj_blocks, experts.down_proj_scales, experts.down_proj_bias, 1.702, 7.0)
+    same_math = _bf16_activations_reference(x, w, ids, experts)
+    scale = same_math.abs().max()
+    assert scale > 1
+    ref = moe_reference(x.float(), w.float(), ids, experts.as_fp32())
+    for tiles in ((8, 1, 8, 1, 4, 2), (1, 1, 1, 1, 1, 1), (2, 2, 4, 1, 2, 3), (4, 2, 2, 2, 3, 1), (8, 1, 4, 1, 6, 1)):
+        warps, pairs, down_warps, down_pairs, stages, per_sm = tiles
+        parts = cuda_moe_bulk(*args, x_mxfp4=mxfp4_activations(x), num_warps=warps, pairs=pairs,
+                              down_num_warps=down_warps, down_pairs=down_pairs, stages=stages, blocks_per_sm=per_sm)
+        assert parts.shape == (tokens, 4, HIDDEN)
+        err = ((parts - same_math).abs().max() / scale).item()
+        assert err < 1e-4, (tiles, err)
+        assert ((parts.sum(1) - ref).abs().max() / ref.abs().max()).item() < 2e-2
+    # fp32 routing weights and int32 ids take the same path
+    parts = cuda_moe_bulk(x, w.float(), ids.int(), *args[3:])
+    assert ((parts - same_math).abs().max() / scale).item() < 1e-4
+
+
+def test_bulk_copy_moe_in_a_cuda_graph_with_small_widths():
+    """Captured in a CUDA graph and replayed on new inputs (the persistent lane's use), at small widths
+    (hidden 96, expert width 64: 3 and 2 blocks per row, so lanes step past a row's end)."""
+    from replicas.kernels.cuda_moe_bulk import cuda_moe_bulk
+    from replicas.kernels.moe import moe_reference
+
+    e, hidden, inter = 6, 96, 64
+    g = torch.Generator(device="cuda").manual_seed(9)
+    ex = Experts.__new__(Experts)
+    ex.gate_up_proj_blocks = torch.randint(0, 256, (e, 2 * inter, hidden // 32, 16), generator=g, device="cuda",
+                                           dtype=torch.uint8)
+    ex.gate_up_proj_scales = torch.randint(118, 124, (e, 2 * inter, hidden // 32), generator=g, device="cuda",
+                                           dtype=torch.uint8)
+    ex.down_proj_blocks = torch.randint(0, 256, (e, hidden, inter // 32, 16), generator=g, device="cuda",
+                                        dtype=torch.uint8)
+    ex.down_proj_scales = torch.randint(118, 124, (e, hidden, inter // 32), generator=g, device="cuda",
+                                        dtype=torch.uint8)
+    ex.gate_up_proj_bias = (0.1 * torch.randn(e, 2 * inter, generator=g, device="cuda")).bfloat16()
+    ex.down_proj_bias = (0.1 * torch.randn(e, hidden, generator=g, device="cuda")).bfloat16()
+    ex.alpha, ex.limit = 1.702, 7.0
+    x = torch.randn(2, hidden, generator=g, device="cuda").bfloat16()
+    ids = torch.tensor([[0, 3], [5, 1]], device="cuda")
+    w = torch.softmax(torch.randn(2, 2, generator=g, device="cuda"), -1).bfloat16()
+    packed = (ex.gate_up_proj_blocks, ex.gate_up_proj_scales, ex.gate_up_proj_bias, ex.down_proj_blocks,
+              ex.down_proj_scales, ex.down_proj_bias, 1.702, 7.0)
+    cuda_moe_bulk(x, w, ids, *packed, down_pairs=2, blocks_per_sm=1)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_moe_bulk(x, w, ids, *packed, down_pairs=2, blocks_per_sm=1)
+    for trial in range(3):
+        x.copy_(torch.randn(2, hidden, generator=g, device="cuda"))
+        ids.copy_(torch.stack([torch.randperm(e, generator=g, device="cuda")[:2] for _ in range(2)]))
+        graph.replay()
+        ref = moe_reference(x.float(), w.float(), ids, ex.as_fp32())
+        assert ref.abs().max() > 0.5
+        rel = ((out.sum(1) - ref).abs().max() / ref.abs().max()).item()
+        assert rel < 2e-2, (trial, rel)
