@@ -461,8 +461,6 @@ VARIANT_KNOBS = {
     "splits": ("replicas.kernels.triton_decode_attention", "FEW_HEADS_SPLITS", int),
     "tc": ("replicas.kernels.triton_moe_tc", "TILE_OVERRIDES", _tiles),
     "bulk": ("replicas.kernels.cuda_moe_bulk", "TILE_OVERRIDES", _tiles),
-    "dense": ("replicas.kernels.static_decode", "DENSE_KERNEL", str),
-    "gemv": ("replicas.kernels.cuda_gemv_bulk", "TILE_OVERRIDES", _tiles),
 }
 """``--variants`` settings: name → (module, attribute, parser of the value). Each is read when a decode step
 is captured, so one process can time several settings on the same weights."""
@@ -633,7 +631,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                    help="GPT-OSS: also time the persistent lane with these MoE decode kernels (scaled,mma,simt)")
     p.add_argument("--variants", default="",
                    help="CUDA: also time the persistent lane under these settings, ';'-separated, each "
-                        "space-separated knob=value (knobs: pdl, moe, splits, tc, bulk, dense, gemv), e.g. 'pdl=0;moe=gemv;tc=pairs:2+depth:2'")
+                        "space-separated knob=value (knobs: pdl, moe, splits, tc, bulk), e.g. 'pdl=0;moe=gemv;tc=pairs:2+depth:2'")
     p.add_argument("--json", help="write rows as JSON here")
     p.add_argument("--plot", help="write a PNG bar chart here")
     p.add_argument("--replot", help="only re-draw --plot from a --json file of an earlier run")
@@ -671,10 +669,14 @@ def write_docs(text: str, args, marker: str | None = None, title: str | None = N
     title = title or f"Engine, batch one: {args.shapes} (`ops/bench_engine.py`)"
     path = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
-    command = command or (f"python -m ops.bench_engine --shapes {args.shapes} --docs-section {args.docs_section} "
-                          f"--prompt-len {args.prompt_len} "
-                          f"--new-tokens {args.new_tokens} --slow-new-tokens {args.slow_new_tokens} --reps {args.reps}"
-                          f"{' --hf-compile' if args.hf_compile else ''}{' --smollm2 PATH' if args.smollm2 else ''}")
+    if command is None:
+        flags = [f"--shapes {args.shapes}", f"--docs-section {args.docs_section}", f"--prompt-len {args.prompt_len}",
+                 f"--new-tokens {args.new_tokens}", f"--slow-new-tokens {args.slow_new_tokens}", f"--reps {args.reps}"]
+        flags += [flag for flag, on in (("--hf-compile", args.hf_compile), ("--smollm2 PATH", args.smollm2),
+                                        ("--no-hf", args.no_hf), ("--profile", args.profile)) if on]
+        flags += [f"--moe-kernels {args.moe_kernels}"] if args.moe_kernels else []
+        flags += [f"--variants '{args.variants}'"] if args.variants else []
+        command = "python -m ops.bench_engine " + " ".join(flags)
     section = f"{start}\n## {title}\n\nCommand: `{command}`\nMachine: {machine()}\n\n{text}\n{end}"
     doc = path.read_text() if path.exists() else "# Benchmarks\n"
     if start in doc:

@@ -84,8 +84,8 @@ MOE_FAMILIES = {
                               "pairs": (1, 2), "down_pairs": (1, 2)}),
     "bulk": ("tensor-core math, weights bulk-copied to shared memory (cuda_moe_bulk, 2 launches)",
              "replicas.kernels.cuda_moe_bulk", "cuda_moe_bulk",
-             {"num_warps": (4, 8), "down_num_warps": (4, 8), "down_pairs": (1, 2), "stages": (2, 4, 6),
-              "blocks_per_sm": (1, 2, 4)}),
+             {"num_warps": (4, 8), "down_num_warps": (4, 8), "down_pairs": (1, 2), "stages": (1, 2),
+              "blocks_per_sm": (2, 6, 8)}),
 }
 """MoE kernel families: (title, module, function, tile grid swept)."""
 
@@ -178,7 +178,6 @@ def _bench_attention(dev: torch.device) -> list[tuple]:
 def _bench_dense(dev: torch.device) -> list[tuple]:
     """The batch-one bf16 GEMV (``triton_gemv``) against cuBLAS (``F.linear``) at gpt-oss-120b's attention
     projections and router; 8 weight copies rotated per call so that L2 never holds them."""
-    from replicas.kernels.cuda_gemv_bulk import cuda_gemv_bulk
     from replicas.kernels.triton_gemv import triton_gemv
 
     rows = []
@@ -197,10 +196,6 @@ def _bench_dense(dev: torch.device) -> list[tuple]:
         rows += _sweep(f"triton_gemv {name}", lambda call=call, **tiles: call(triton_gemv, **tiles),
                        {"block_n": (4, 8, 16), "block_k": (256, 512, 1024), "num_warps": (4, 8)}, 4, mb,
                        prefix=name)
-        if n % 8 == 0:
-            rows += _sweep(f"cuda_gemv_bulk {name}", lambda call=call, **tiles: call(cuda_gemv_bulk, **tiles),
-                           {"rows": (2, 4, 8), "stages": (2, 4, 8), "blocks_per_sm": (1, 2, 4)}, 4, mb,
-                           prefix=name)
     return rows
 
 

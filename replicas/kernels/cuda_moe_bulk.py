@@ -11,9 +11,17 @@ registers held) of the block's rows, which are contiguous in the packed layout
 ``[E, rows, G, 16]``, and of their scales and the activation row, into shared
 memory, completing on ``mbarrier`` transaction counts; then every lane runs
 :mod:`~replicas.kernels.triton_moe_tc`'s MMA step (the same PTX,
-:func:`~replicas.kernels.triton_moe_tc.mma_asm`) on shared-memory operands. A
-block of 16 (gate_up) or 32 (down) rows holds 23 or 46 KB, several blocks per
-SM: hundreds of KB requested per SM instead of ~32 KB.
+:func:`~replicas.kernels.triton_moe_tc.mma_asm`) on shared-memory operands.
+Blocks are persistent: each takes every so-many tile of 16 rows (23 KB at
+gpt-oss-120b's width) and keeps ``stages`` tiles' copies in flight, so with
+several blocks per SM ~200 KB are requested per SM instead of ~32 KB.
+
+Measured (``docs/benchmarks.md``, item 13): the copies do what they should
+(alone, they stream the layer's 52.9 MB at ~3.6 TB/s), but the decoding is now
+the limit: with the weights already in shared memory the two launches still
+take ~17 us, issue- and integer-pipe-bound. The pair takes 23 us per layer
+against the Triton kernels' 25.6 us; gpt-oss-120b 2.28 against 2.34-2.45
+ms/token in the same calls.
 
 Same inputs, outputs and numerics as :func:`~replicas.kernels.triton_moe_tc.triton_moe_tc`
 (activations in its MMA format, times 2**64; fp32 sums; ``h`` rounded to bf16).
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 
 import torch
 
@@ -101,7 +110,7 @@ __device__ __forceinline__ void issue_x(u32 base, int stage, const u8* x_row) {
 // Persistent blocks: block b takes tiles b, b + gridDim.x, ...; thread 0 keeps S tiles' copies in flight.
 // GATE_UP: rows interleave gate (2j) and up (2j + 1); writes h[pair, mma_position(j)] = swiglu(...) * 2**64
 // (bf16). Else (down): writes out[pair, r] = w_pair * (y + bias).
-extern "C" __global__ void __launch_bounds__(NT) moe_bulk(
+extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
     const u8* __restrict__ xa, const i64* __restrict__ ids, const void* __restrict__ route_w,
     const u8* __restrict__ blocks, const u8* __restrict__ scales, const u16* __restrict__ bias,
     void* __restrict__ out, i64 stride_be, i64 stride_se, i64 stride_bias, i64 stride_x_bytes,
@@ -250,7 +259,7 @@ def kernel_source(g: int, warps: int, pairs: int, stages: int, gate_up: bool, ro
     rows per tile, ``stages`` tiles in flight per block, the gate_up or the down launch, fp32 (else bf16)
     routing weights."""
     defines = {"G": g, "W": warps, "P": pairs, "S": stages, "GATE_UP": int(gate_up), "ROUTE_F32": int(route_f32),
-               "MAX_PAIRS": MAX_PAIRS,
+               "MAX_PAIRS": MAX_PAIRS, "KERNEL_NAME": _name(gate_up),
                "X_SHIFT": X_SHIFT.value, "X_SCALE": f"{float(2 ** X_SHIFT.value)!r}f"}
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += "#define MMA_ASM " + _c_string(mma_asm("%", chains=2)).replace("\n", " \\\n") + "\n"
@@ -259,8 +268,28 @@ def kernel_source(g: int, warps: int, pairs: int, stages: int, gate_up: bool, ro
 
 @functools.cache
 def _kernel(g: int, warps: int, pairs: int, stages: int, gate_up: bool, route_f32: bool) -> CudaKernel:
-    return CudaKernel(kernel_source(g, warps, pairs, stages, gate_up, route_f32), "moe_bulk",
+    return CudaKernel(kernel_source(g, warps, pairs, stages, gate_up, route_f32), _name(gate_up),
                       shared_bytes(g, warps, pairs, stages))
+
+
+def _name(gate_up: bool) -> str:
+    """The launches' names (what profilers show): ``moe_bulk_gate_up``, ``moe_bulk_down_proj``."""
+    return "moe_bulk_gate_up" if gate_up else "moe_bulk_down_proj"
+
+
+@functools.cache
+def available(device_index: int) -> bool:
+    """Whether these kernels run on CUDA device ``device_index``: compute capability 9.0+ and torch's NVRTC
+    compiles (one small kernel, once; a failure is reported as a warning and the caller falls back)."""
+    if torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    try:
+        with torch.cuda.device(device_index):
+            _kernel(1, 1, 1, 1, True, False)
+    except RuntimeError as exc:
+        warnings.warn(f"cuda_moe_bulk unavailable ({exc}); using the Triton tensor-core MoE kernels", stacklevel=2)
+        return False
+    return True
 
 
 @functools.cache
@@ -272,8 +301,8 @@ def cuda_moe_bulk(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
-    alpha: float, limit: float, x_mxfp4: torch.Tensor | None = None, num_warps: int = 8,
-    down_num_warps: int = 8, pairs: int = 1, down_pairs: int = 1, stages: int = 4, blocks_per_sm: int = 2,
+    alpha: float, limit: float, x_mxfp4: torch.Tensor | None = None, num_warps: int = 4,
+    down_num_warps: int = 4, pairs: int = 1, down_pairs: int = 1, stages: int = 1, blocks_per_sm: int = 8,
 ) -> torch.Tensor:
     """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches), as
     :func:`~replicas.kernels.triton_moe_tc.triton_moe_tc`.
@@ -316,13 +345,13 @@ def cuda_moe_bulk(
         raise ValueError(f"biases must be bf16, got {gate_up_bias.dtype} and {down_bias.dtype}")
     if (2 * inter) % (16 * pairs) or hidden % (16 * down_pairs):
         raise ValueError(f"16 * pairs must divide 2I ({2 * inter}) and 16 * down_pairs hidden ({hidden})")
+    if t * k > MAX_PAIRS:
+        raise ValueError(f"{t} tokens x {k} experts: at most {MAX_PAIRS} (token, expert) pairs per call")
     limit_bytes = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
     for g, w, p in ((hidden // BLOCK_SIZE, num_warps, pairs), (inter // BLOCK_SIZE, down_num_warps, down_pairs)):
         if shared_bytes(g, w, p, stages) > limit_bytes:
             raise ValueError(f"{stages} stages of {16 * p} rows x {g} blocks need {shared_bytes(g, w, p, stages)} "
                              f"bytes of shared memory; a block may have {limit_bytes}")
-    if t * k > MAX_PAIRS:
-        raise ValueError(f"{t} tokens x {k} experts: at most {MAX_PAIRS} (token, expert) pairs per call")
     if x_mxfp4 is None:
         x_mxfp4 = mxfp4_activations(x)
     if ids.dtype != torch.int64:

@@ -2,8 +2,9 @@
 
 On CUDA with Triton, a few tokens (decode: the persistent lane's one token or
 a small standard-lane batch, up to :data:`GROUPED_MAX_TOKENS`) go through the
-packed-MXFP4 GEMV kernels selected by :data:`MOE_KERNEL` (by default the exact
-fp32 SIMT kernels of :mod:`replicas.kernels.triton_moe_gemv`) and the top-k
+packed-MXFP4 GEMV kernels selected by :data:`MOE_KERNEL` (by default the
+tensor-core kernels of :mod:`replicas.kernels.cuda_moe_bulk`; fp32 models take
+the exact SIMT kernels of :mod:`replicas.kernels.triton_moe_gemv`) and the top-k
 kernel of :mod:`replicas.kernels.triton_router`; everything else (CPU, prefill)
 uses :func:`moe_reference`, which dequantizes each routed expert once and runs
 dense GEMMs (the same math as transformers' ``GptOssExperts``).
@@ -21,13 +22,14 @@ from replicas.kernels.triton_loader import lazy_kernel
 GROUPED_MAX_TOKENS = 16
 """Above this many tokens, dequantize-then-GEMM beats re-reading packed experts per (token, expert) pair."""
 
-MOE_KERNEL = os.environ.get("PERSISTENT_SERVE_MOE_KERNEL", "tc")
-"""Decode MoE kernels on CUDA: ``tc`` — inline-PTX E2M1 decoding to bf16 pairs and ``mma.sync`` on the
-tensor cores, fp32 sums, activations rounded to bf16 (:mod:`replicas.kernels.triton_moe_tc`, NVIDIA only;
-the fastest on an H200; fp32 models use ``gemv`` instead, which stays exact); ``gemv`` — inline-PTX E2M1
-decoding straight to fp32, exact fp32 sums on the SIMT cores (:mod:`replicas.kernels.triton_moe_gemv`);
-``bulk`` — the same tensor-core math in CUDA C++ with the weights bulk-copied into shared memory
-(:mod:`replicas.kernels.cuda_moe_bulk`, Hopper and newer); ``mma`` — inline-PTX decoding to fp16 + ``tl.dot`` (:mod:`replicas.kernels.triton_moe_mma`);
+MOE_KERNEL = os.environ.get("PERSISTENT_SERVE_MOE_KERNEL", "bulk")
+"""Decode MoE kernels on CUDA: ``bulk`` — inline-PTX E2M1 decoding to bf16 pairs and ``mma.sync`` on the
+tensor cores, fp32 sums, activations rounded to bf16, the weights bulk-copied into shared memory
+(:mod:`replicas.kernels.cuda_moe_bulk`, CUDA C++ compiled with NVRTC, Hopper and newer, bf16 models; the
+fastest on an H200; elsewhere ``tc`` runs in its place); ``tc`` — the same math in Triton, weights loaded
+into registers (:mod:`replicas.kernels.triton_moe_tc`, NVIDIA only); fp32 models use ``gemv`` instead,
+which stays exact; ``gemv`` — inline-PTX E2M1 decoding straight to fp32, exact fp32 sums on the SIMT
+cores (:mod:`replicas.kernels.triton_moe_gemv`); ``mma`` — inline-PTX decoding to fp16 + ``tl.dot`` (:mod:`replicas.kernels.triton_moe_mma`);
 ``scaled`` — ``tl.dot_scaled`` (:mod:`replicas.kernels.triton_moe_scaled`); ``simt`` — the portable
 scalar kernels of :mod:`replicas.kernels.triton_moe` (also used on ROCm). Environment
 ``PERSISTENT_SERVE_MOE_KERNEL`` selects one; ``python -m ops.bench_kernels`` compares them."""
@@ -47,10 +49,20 @@ format."""
 def _partials_name(x: torch.Tensor) -> str | None:
     """Which per-expert-partials MoE kernel applies to ``x``: :data:`MOE_KERNEL` on CUDA on NVIDIA for a
     few tokens, except that fp32 activations take the exact ``gemv`` kernels in place of the tensor-core
-    ones (which round activations to bf16/fp16); None elsewhere."""
+    ones (which round activations to bf16/fp16), and ``bulk`` gives way to ``tc`` where it cannot run;
+    None elsewhere."""
     if MOE_KERNEL not in _PARTIALS or not x.is_cuda or torch.version.hip or x.shape[0] > GROUPED_MAX_TOKENS:
         return None
-    return "gemv" if x.dtype == torch.float32 and MOE_KERNEL != "gemv" else MOE_KERNEL
+    if x.dtype == torch.float32 and MOE_KERNEL != "gemv":
+        return "gemv"
+    if MOE_KERNEL == "bulk" and (x.dtype != torch.bfloat16 or not _bulk_runs(x.device)):
+        return "tc"  # fp16 models (bf16 biases only), GPUs before Hopper, no NVRTC
+    return MOE_KERNEL
+
+
+def _bulk_runs(device: torch.device) -> bool:
+    runs = lazy_kernel("replicas.kernels.cuda_moe_bulk", "available")
+    return runs is not None and runs(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _partials_kernel(x: torch.Tensor):

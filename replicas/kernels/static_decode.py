@@ -9,8 +9,6 @@ kernel will replace; it reads every page of the padded table each step.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from replicas.kernels.paged_attention import PAGE_SIZE
@@ -116,21 +114,11 @@ def rope_kv_write(attn, x, cos_table, sin_table, position, block_table, key_plan
     return q
 
 
-DENSE_KERNEL = os.environ.get("PERSISTENT_SERVE_DENSE_KERNEL", "triton")
-"""Batch-one dense GEMV on CUDA: ``triton`` (:func:`replicas.kernels.triton_gemv.triton_gemv`) or ``bulk``
-(:func:`replicas.kernels.cuda_gemv_bulk.cuda_gemv_bulk`: weights bulk-copied into shared memory, bf16,
-Hopper and newer; other operands fall back to ``triton``). Environment ``PERSISTENT_SERVE_DENSE_KERNEL``."""
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; one bf16/fp16 row on a GPU goes through the batch-one GEMV of
-    :data:`DENSE_KERNEL`, everything else (fp32, batches, CPU) through torch. ``x`` ``[T, K]``, ``weight``
-    ``[N, K]``, ``bias`` ``[N]`` → ``[T, N]``."""
+    """``F.linear(x, weight, bias)``; one bf16/fp16 row on a GPU goes through the batch-one Triton GEMV
+    (:func:`replicas.kernels.triton_gemv.triton_gemv`), everything else (fp32, batches, CPU) through
+    torch. ``x`` ``[T, K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` → ``[T, N]``."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
-        if DENSE_KERNEL == "bulk" and (bias is None or bias.dtype == torch.bfloat16):
-            bulk = lazy_kernel("replicas.kernels.cuda_gemv_bulk", "cuda_gemv_bulk")
-            if bulk is not None and lazy_kernel("replicas.kernels.cuda_gemv_bulk", "supports")(x, weight):
-                return bulk(x, weight, bias)
         kernel = lazy_kernel("replicas.kernels.triton_gemv", "triton_gemv")
         if kernel is not None:
             return kernel(x, weight, bias)

@@ -179,16 +179,11 @@ def _bf16_activations_reference(x, w, ids, experts):
     return out
 
 
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_mma_ptx_mxfp4_moe_at_120b_dims(tokens):
-    """The inline-PTX ``mma.sync`` kernels: every E2M1 code (bf16 subnormals included) and every lane's role in
-    the MMA fragments, against the same arithmetic in fp32 (1e-4: only the summation order differs), against
-    their plain-Triton path, and within bf16 tolerance of the all-fp32 reference."""
-    from replicas.kernels.moe import moe_reference
-    from replicas.kernels.triton_moe_tc import mxfp4_activations, triton_moe_tc
-
-    experts = Experts(torch.bfloat16, seed=tokens + 40)
-    g = torch.Generator(device="cuda").manual_seed(6)
+def _bf16_case(tokens: int, expert_seed: int, seed: int):
+    """Random bf16 activations, routing and experts; the kernels' positional arguments; the fp32 reference of
+    their arithmetic (:func:`_bf16_activations_reference`) and its largest magnitude (checked above 1)."""
+    experts = Experts(torch.bfloat16, seed=expert_seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
     ids = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(tokens)])
     w = torch.softmax(torch.randn(tokens, 4, generator=g, device="cuda"), -1).bfloat16()
@@ -197,6 +192,18 @@ def test_mma_ptx_mxfp4_moe_at_120b_dims(tokens):
     same_math = _bf16_activations_reference(x, w, ids, experts)
     scale = same_math.abs().max()
     assert scale > 1
+    return x, w, ids, experts, args, same_math, scale
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_mma_ptx_mxfp4_moe_at_120b_dims(tokens):
+    """The inline-PTX ``mma.sync`` kernels: every E2M1 code (bf16 subnormals included) and every lane's role in
+    the MMA fragments, against the same arithmetic in fp32 (1e-4: only the summation order differs), against
+    their plain-Triton path, and within bf16 tolerance of the all-fp32 reference."""
+    from replicas.kernels.moe import moe_reference
+    from replicas.kernels.triton_moe_tc import mxfp4_activations, triton_moe_tc
+
+    x, w, ids, experts, args, same_math, scale = _bf16_case(tokens, tokens + 40, 6)
     plain = triton_moe_tc(*args, ptx=False, x_mxfp4=mxfp4_activations(x))
     assert ((plain - same_math).abs().max() / scale).item() < 1e-4
     ref = moe_reference(x.float(), w.float(), ids, experts.as_fp32())
@@ -208,10 +215,11 @@ def test_mma_ptx_mxfp4_moe_at_120b_dims(tokens):
         assert ((parts.sum(1) - ref).abs().max() / ref.abs().max()).item() < 2e-2
 
 
-def test_decode_moe_glue_tc_matches_exact_gemv(monkeypatch):
+@pytest.mark.parametrize("kernel", ["tc", "bulk"])
+def test_decode_moe_glue_tc_matches_exact_gemv(monkeypatch, kernel):
     """The decode step's MoE glue on bf16: the post-attention add+RMSNorm writes the tensor-core kernels'
     activation format in the same launch (equal to the torch conversion), and the MoE layer through them
-    agrees with the exact fp32 SIMT kernels within bf16 tolerance."""
+    (Triton or CUDA-source) agrees with the exact fp32 SIMT kernels within bf16 tolerance."""
     from types import SimpleNamespace
 
     from replicas.kernels import moe as dispatch
@@ -226,7 +234,7 @@ def test_decode_moe_glue_tc_matches_exact_gemv(monkeypatch):
     norm = SimpleNamespace(weight=(1 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).bfloat16(), eps=1e-5)
     ids = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(tokens)])
     w = torch.softmax(torch.randn(tokens, 4, generator=g, device="cuda"), -1).bfloat16()
-    monkeypatch.setattr(dispatch, "MOE_KERNEL", "tc")
+    monkeypatch.setattr(dispatch, "MOE_KERNEL", kernel)
     assert dispatch.moe_takes_mxfp4(res)
     x, h, h_mx = add_rmsnorm(res, delta, norm, True, mxfp4_out=True)
     assert torch.equal(h_mx, mxfp4_activations(h))
@@ -247,16 +255,7 @@ def test_bulk_copy_mxfp4_moe_at_120b_dims(tokens):
     from replicas.kernels.moe import moe_reference
     from replicas.kernels.triton_moe_tc import mxfp4_activations
 
-    experts = Experts(torch.bfloat16, seed=tokens + 60)
-    g = torch.Generator(device="cuda").manual_seed(8)
-    x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
-    ids = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(tokens)])
-    w = torch.softmax(torch.randn(tokens, 4, generator=g, device="cuda"), -1).bfloat16()
-    args = (x, w, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.gate_up_proj_bias,
-            experts.down_proj_blocks, experts.down_proj_scales, experts.down_proj_bias, 1.702, 7.0)
-    same_math = _bf16_activations_reference(x, w, ids, experts)
-    scale = same_math.abs().max()
-    assert scale > 1
+    x, w, ids, experts, args, same_math, scale = _bf16_case(tokens, tokens + 60, 8)
     ref = moe_reference(x.float(), w.float(), ids, experts.as_fp32())
     for tiles in ((8, 1, 8, 1, 4, 2), (1, 1, 1, 1, 1, 1), (2, 2, 4, 1, 2, 3), (4, 2, 2, 2, 3, 1), (8, 1, 4, 1, 6, 1)):
         warps, pairs, down_warps, down_pairs, stages, per_sm = tiles
