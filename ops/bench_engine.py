@@ -135,7 +135,7 @@ def build_gpt_oss_core(raw_cfg: dict, device: torch.device, dtype: torch.dtype, 
                 t.normal_(0.0, 0.02, generator=gen)
     cos, sin = rope_tables(cfg)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    return core_for(model.eval().fuse_qkv(), device, dtype, max_model_len, tokenizer)
+    return core_for(model.eval().fuse_qkv().prepare_decode_layout(), device, dtype, max_model_len, tokenizer)
 
 
 def load_smollm2_core(path: str, device: torch.device, dtype: torch.dtype, max_model_len: int):
@@ -405,6 +405,7 @@ def run(args) -> list[Row]:
         for i, moe_kernel in enumerate([default_moe] + ([k for k in args.moe_kernels.split(",") if k != default_moe]
                                                          if gpt_oss and args.moe_kernels else [])):
             moe_dispatch.MOE_KERNEL = moe_kernel
+            _relayout(core.model)
             graph = CudaGraphBackend(core.model, device, max_len)
             lane = "persistent/cuda_graph" + (f" (moe={moe_kernel})" if gpt_oss and device.type == "cuda" else "")
             row(lane, time_persistent(core, graph, prompt, args.new_tokens, args.reps), args.new_tokens,
@@ -415,11 +416,13 @@ def run(args) -> list[Row]:
         moe_dispatch.MOE_KERNEL = default_moe
         for spec in [v.strip() for v in args.variants.split(";")] if args.variants and device.type == "cuda" else []:
             with variant(spec):
+                _relayout(core.model)
                 graph = CudaGraphBackend(core.model, device, max_len)
                 row(f"persistent/cuda_graph ({spec or 'defaults'})",
                     time_persistent(core, graph, prompt, args.new_tokens, args.reps), args.new_tokens,
                     count_kernels_per_token(graph))
                 del graph
+        _relayout(core.model)  # the defaults' layout again (the standard lane's graphs read it)
         row("persistent/eager", time_persistent(core, EagerBackend(core.model, device), prompt, slow_tokens,
                                                 1 if gpt_oss else args.reps), slow_tokens)
         row("standard", time_standard(core, prompt, slow_tokens, 1 if gpt_oss else args.reps), slow_tokens)
@@ -450,6 +453,13 @@ def run(args) -> list[Row]:
     return rows
 
 
+def _relayout(model) -> None:
+    """GPT-OSS: put the experts in the layout the current MoE settings want (``--moe-kernels``,
+    ``--variants moe=... repack=...``)."""
+    if hasattr(model, "relayout_experts"):
+        model.relayout_experts()
+
+
 def _tiles(value: str) -> dict[str, int]:
     """``"pairs:2+stages:1"`` → ``{"pairs": 2, "stages": 1}`` (a kernel family's tile overrides)."""
     return {k: int(n) for k, _, n in (item.partition(":") for item in value.split("+") if item)}
@@ -461,6 +471,7 @@ VARIANT_KNOBS = {
     "splits": ("replicas.kernels.triton_decode_attention", "FEW_HEADS_SPLITS", int),
     "tc": ("replicas.kernels.triton_moe_tc", "TILE_OVERRIDES", _tiles),
     "bulk": ("replicas.kernels.cuda_moe_bulk", "TILE_OVERRIDES", _tiles),
+    "repack": ("replicas.kernels.moe", "REPACK", lambda v: v == "1"),
 }
 """``--variants`` settings: name → (module, attribute, parser of the value). Each is read when a decode step
 is captured, so one process can time several settings on the same weights."""
@@ -631,7 +642,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                    help="GPT-OSS: also time the persistent lane with these MoE decode kernels (scaled,mma,simt)")
     p.add_argument("--variants", default="",
                    help="CUDA: also time the persistent lane under these settings, ';'-separated, each "
-                        "space-separated knob=value (knobs: pdl, moe, splits, tc, bulk), e.g. 'pdl=0;moe=gemv;tc=pairs:2+depth:2'")
+                        "space-separated knob=value (knobs: pdl, moe, splits, tc, bulk, repack), e.g. 'pdl=0;moe=gemv;tc=pairs:2+depth:2'")
     p.add_argument("--json", help="write rows as JSON here")
     p.add_argument("--plot", help="write a PNG bar chart here")
     p.add_argument("--replot", help="only re-draw --plot from a --json file of an earlier run")

@@ -254,21 +254,24 @@ def shared_bytes(g: int, warps: int, pairs: int, stages: int) -> int:
     return 128 + MAX_PAIRS * 12 + stages * stage + 2 * warps * rows * 4
 
 
-def kernel_source(g: int, warps: int, pairs: int, stages: int, gate_up: bool, route_f32: bool) -> str:
+def kernel_source(g: int, warps: int, pairs: int, stages: int, gate_up: bool, route_f32: bool,
+                  repacked: bool = False) -> str:
     """The CUDA C++ of one launch: ``g`` blocks of 32 values per row, ``warps`` per block, ``16 * pairs``
     rows per tile, ``stages`` tiles in flight per block, the gate_up or the down launch, fp32 (else bf16)
-    routing weights."""
+    routing weights, packed words in the checkpoint's or :mod:`~replicas.kernels.mxfp4_decode_layout`'s
+    bit layout (``repacked``)."""
     defines = {"G": g, "W": warps, "P": pairs, "S": stages, "GATE_UP": int(gate_up), "ROUTE_F32": int(route_f32),
                "MAX_PAIRS": MAX_PAIRS, "KERNEL_NAME": _name(gate_up),
                "X_SHIFT": X_SHIFT.value, "X_SCALE": f"{float(2 ** X_SHIFT.value)!r}f"}
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    head += "#define MMA_ASM " + _c_string(mma_asm("%", chains=2)).replace("\n", " \\\n") + "\n"
+    head += "#define MMA_ASM " + _c_string(mma_asm("%", chains=2, repacked=repacked)).replace("\n", " \\\n") + "\n"
     return head + CUDA_PRELUDE + _SOURCE
 
 
 @functools.cache
-def _kernel(g: int, warps: int, pairs: int, stages: int, gate_up: bool, route_f32: bool) -> CudaKernel:
-    return CudaKernel(kernel_source(g, warps, pairs, stages, gate_up, route_f32), _name(gate_up),
+def _kernel(g: int, warps: int, pairs: int, stages: int, gate_up: bool, route_f32: bool,
+            repacked: bool = False) -> CudaKernel:
+    return CudaKernel(kernel_source(g, warps, pairs, stages, gate_up, route_f32, repacked), _name(gate_up),
                       shared_bytes(g, warps, pairs, stages))
 
 
@@ -303,6 +306,7 @@ def cuda_moe_bulk(
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, x_mxfp4: torch.Tensor | None = None, num_warps: int = 4,
     down_num_warps: int = 4, pairs: int = 1, down_pairs: int = 1, stages: int = 1, blocks_per_sm: int = 8,
+    repacked: bool = False,
 ) -> torch.Tensor:
     """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches), as
     :func:`~replicas.kernels.triton_moe_tc.triton_moe_tc`.
@@ -322,6 +326,8 @@ def cuda_moe_bulk(
             computed here when None.
         num_warps, pairs: the gate_up launch's warps per block and row pairs per lane (16 rows per pair);
             down_num_warps, down_pairs: the down launch's. stages: tiles in flight per block.
+        repacked: the packed blocks are in :mod:`~replicas.kernels.mxfp4_decode_layout`'s bit layout
+            (:func:`~replicas.kernels.mxfp4_decode_layout.repack_`), which decodes in fewer instructions.
             Defaults: the fastest of ``python -m ops.bench_kernels --kernels bulk`` on an H200 at
             gpt-oss-120b's shape.
 
@@ -365,7 +371,7 @@ def cuda_moe_bulk(
     i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
     h = torch.empty(pairs_n, inter, dtype=torch.bfloat16, device=x.device)
     tiles = pairs_n * 2 * inter // (16 * pairs)
-    _kernel(hidden // BLOCK_SIZE, num_warps, pairs, stages, True, False)(
+    _kernel(hidden // BLOCK_SIZE, num_warps, pairs, stages, True, False, repacked)(
         (min(tiles, blocks), 1, 1), 32 * num_warps,
         [x_mxfp4, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, h,
          i64(gate_up_blocks.stride(0)), i64(gate_up_scales.stride(0)), i64(gate_up_bias.stride(0)),
@@ -374,7 +380,8 @@ def cuda_moe_bulk(
         pdl=pdl)
     out = torch.empty(t, k, hidden, dtype=torch.float32, device=x.device)
     tiles = pairs_n * hidden // (16 * down_pairs)
-    _kernel(inter // BLOCK_SIZE, down_num_warps, down_pairs, stages, False, weights.dtype == torch.float32)(
+    _kernel(inter // BLOCK_SIZE, down_num_warps, down_pairs, stages, False, weights.dtype == torch.float32,
+            repacked)(
         (min(tiles, blocks), 1, 1), 32 * down_num_warps,
         [h, ids, weights, down_blocks, down_scales, down_bias, out,
          i64(down_blocks.stride(0)), i64(down_scales.stride(0)), i64(down_bias.stride(0)),

@@ -12,6 +12,7 @@ dense GEMMs (the same math as transformers' ``GptOssExperts``).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -46,11 +47,68 @@ MXFP4_FORMAT_KERNELS = ("tc", "bulk")
 format."""
 
 
-def _partials_name(x: torch.Tensor) -> str | None:
+REPACK = os.environ.get("PERSISTENT_SERVE_MOE_REPACK", "0") == "1"
+"""Whether :func:`prepare_decode_layout` repacks experts for the ``bulk`` kernels (environment
+``PERSISTENT_SERVE_MOE_REPACK=1``). Off by default: it measured 2.19 against 2.30 ms/token on gpt-oss-120b
+(``docs/benchmarks.md``, GPT-OSS item 14), but the prefill's dequantization of the repacked layout has only
+run on the CPU interpreter so far."""
+
+
+def repacked(experts) -> bool:
+    """Whether ``experts``' packed blocks are in :mod:`~replicas.kernels.mxfp4_decode_layout`'s layout."""
+    return getattr(experts, "decode_layout", False)
+
+
+def prepare_decode_layout(experts) -> bool:
+    """Repack ``experts``' blocks in place for the ``bulk`` decode kernels when those will run them (CUDA,
+    bf16 biases, :data:`MOE_KERNEL` ``bulk`` and runnable here, :data:`REPACK`), and tag the module; returns
+    whether it did. Call once after loading, never inside a CUDA-graph capture. From then on every MoE path
+    honours the layout: the decode kernels read it, the dequantizing paths unpack a copy per expert."""
+    from replicas.kernels.mxfp4_decode_layout import repack_
+
+    blocks = experts.gate_up_proj_blocks
+    if repacked(experts) or not (REPACK and MOE_KERNEL == "bulk" and blocks.is_cuda and not torch.version.hip
+                                 and experts.gate_up_proj_bias.dtype == torch.bfloat16 and _bulk_runs(blocks.device)):
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("prepare_decode_layout inside a CUDA-graph capture")
+    with torch.no_grad():
+        repack_(experts.gate_up_proj_blocks)
+        repack_(experts.down_proj_blocks)
+    experts.decode_layout = True
+    return True
+
+
+def restore_checkpoint_layout(experts) -> None:
+    """Undo :func:`prepare_decode_layout` in place (to run another MoE kernel on the same weights, e.g. in a
+    benchmark); a no-op for experts in the checkpoint layout. Never inside a CUDA-graph capture, and graphs
+    captured before read the new layout from then on."""
+    from replicas.kernels.mxfp4_decode_layout import unpack_
+
+    if not repacked(experts):
+        return
+    if experts.gate_up_proj_blocks.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("restore_checkpoint_layout inside a CUDA-graph capture")
+    with torch.no_grad():
+        unpack_(experts.gate_up_proj_blocks)
+        unpack_(experts.down_proj_blocks)
+    experts.decode_layout = False
+
+
+def _partials_name(x: torch.Tensor, experts=None) -> str | None:
     """Which per-expert-partials MoE kernel applies to ``x``: :data:`MOE_KERNEL` on CUDA on NVIDIA for a
     few tokens, except that fp32 activations take the exact ``gemv`` kernels in place of the tensor-core
     ones (which round activations to bf16/fp16), and ``bulk`` gives way to ``tc`` where it cannot run;
-    None elsewhere."""
+    None elsewhere. Repacked ``experts`` (:func:`prepare_decode_layout`) take ``bulk`` only.
+
+    Raises:
+        ValueError: repacked experts while :data:`MOE_KERNEL` names another kernel."""
+    if experts is not None and repacked(experts):
+        if MOE_KERNEL != "bulk":
+            raise ValueError(f"these experts were repacked for the bulk MoE kernels when loaded; set "
+                             f"PERSISTENT_SERVE_MOE_KERNEL={MOE_KERNEL} (or PERSISTENT_SERVE_MOE_REPACK=0) before "
+                             "loading to run another kernel")
+        return "bulk" if x.is_cuda and x.shape[0] <= GROUPED_MAX_TOKENS else None
     if MOE_KERNEL not in _PARTIALS or not x.is_cuda or torch.version.hip or x.shape[0] > GROUPED_MAX_TOKENS:
         return None
     if x.dtype == torch.float32 and MOE_KERNEL != "gemv":
@@ -65,17 +123,21 @@ def _bulk_runs(device: torch.device) -> bool:
     return runs is not None and runs(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _partials_kernel(x: torch.Tensor):
-    """The kernel of :func:`_partials_name` (None when none applies or Triton is missing)."""
-    name = _partials_name(x)
-    return lazy_kernel(*_PARTIALS[name]) if name else None
+def _partials_kernel(x: torch.Tensor, experts=None):
+    """The kernel of :func:`_partials_name` (None when none applies or Triton is missing); for repacked
+    experts, bound to their layout."""
+    name = _partials_name(x, experts)
+    kernel = lazy_kernel(*_PARTIALS[name]) if name else None
+    if kernel is not None and experts is not None and repacked(experts):
+        return functools.partial(kernel, repacked=True)
+    return kernel
 
 
-def moe_takes_mxfp4(x: torch.Tensor) -> bool:
+def moe_takes_mxfp4(x: torch.Tensor, experts=None) -> bool:
     """Whether the decode MoE kernel for ``x`` reads its activations in the tensor-core format
     (:func:`~replicas.kernels.triton_moe_tc.mxfp4_activations`): the add+RMSNorm launch before it then writes
     them too (``add_rmsnorm(..., mxfp4_out=True)``), saving a conversion per layer."""
-    return _partials_name(x) in MXFP4_FORMAT_KERNELS and _partials_kernel(x) is not None
+    return _partials_name(x, experts) in MXFP4_FORMAT_KERNELS and _partials_kernel(x, experts) is not None
 
 
 def _packed(experts) -> tuple:
@@ -96,7 +158,7 @@ def moe_add_rmsnorm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, e
     """
     from replicas.kernels.static_decode import add_rmsnorm
 
-    kernel = _partials_kernel(x)
+    kernel = _partials_kernel(x, experts)
     if kernel is not None:
         extra = {"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}
         return add_rmsnorm(residual, kernel(x, weights, ids, *_packed(experts), **extra), norm, weight_in_fp32)
@@ -130,38 +192,45 @@ def moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, resi
     ``experts`` is GPT-OSS's ``Experts`` module (packed ``*_blocks``/``*_scales``, biases, ``alpha``,
     ``limit``). Triton kernels on CUDA for ``T <= GROUPED_MAX_TOKENS``, else :func:`moe_reference`.
     """
-    mma = _partials_kernel(x)
+    mma = _partials_kernel(x, experts)
     if mma is not None:
         out = mma(x, weights, ids, *_packed(experts)).sum(1)
         return (out if residual is None else residual.float() + out).to(x.dtype)
-    kernel = lazy_kernel("replicas.kernels.triton_moe", "triton_moe") if x.is_cuda else None
+    kernel = lazy_kernel("replicas.kernels.triton_moe", "triton_moe") if x.is_cuda and not repacked(experts) else None
     if kernel is not None and x.shape[0] <= GROUPED_MAX_TOKENS:
         return kernel(x, weights, ids, *_packed(experts), residual=residual)
     # prefill: dequantize-then-GEMM, each expert dequantized in one Triton launch on a GPU (exact)
     fast = lazy_kernel("replicas.kernels.triton_mxfp4", "triton_dequantize_mxfp4") if x.is_cuda else None
-    out = moe_reference(x, weights, ids, experts, dequantize=fast)
+    out = moe_reference(x, weights, ids, experts, dequantize=fast,
+                        dequantize_repacked=functools.partial(fast, repacked=True) if fast else None)
     return out if residual is None else residual + out
 
 
 def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
-                  dequantize=None) -> torch.Tensor:
+                  dequantize=None, dequantize_repacked=None) -> torch.Tensor:
     """Torch reference: each routed expert dequantized once (to ``x.dtype``) and applied to its tokens.
 
     Experts are visited in increasing id and accumulated in ``x.dtype``, as transformers'
-    ``GptOssExperts.forward``. Syncs with the host (``torch.unique``): not capturable.
+    ``GptOssExperts.forward``. Syncs with the host (``torch.unique``): not capturable. Repacked experts
+    (:func:`prepare_decode_layout`) go through ``dequantize_repacked`` (same signature, reading the decode
+    layout) or, without one, are unpacked to the checkpoint layout one expert at a time.
     ``dequantize(blocks, scales, dtype)`` defaults to :func:`~replicas.models.mxfp4.dequantize_mxfp4`;
     :func:`moe` passes the one-launch Triton equivalent on a GPU
     (:func:`~replicas.kernels.triton_mxfp4.triton_dequantize_mxfp4`, exact as well).
     """
+    from replicas.kernels.mxfp4_decode_layout import unpacked
     from replicas.models.gpt_oss import clamped_swiglu
     from replicas.models.mxfp4 import dequantize_mxfp4
 
     dequantize = dequantize or dequantize_mxfp4
+    layout = lambda blocks: blocks  # noqa: E731
+    if repacked(experts):
+        dequantize, layout = (dequantize_repacked, layout) if dequantize_repacked else (dequantize, unpacked)
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         tok, slot = torch.where(ids == e)  # tokens routed to e, and at which of their K slots
-        w_gate_up = dequantize(experts.gate_up_proj_blocks[e], experts.gate_up_proj_scales[e], x.dtype)
-        w_down = dequantize(experts.down_proj_blocks[e], experts.down_proj_scales[e], x.dtype)
+        w_gate_up = dequantize(layout(experts.gate_up_proj_blocks[e]), experts.gate_up_proj_scales[e], x.dtype)
+        w_down = dequantize(layout(experts.down_proj_blocks[e]), experts.down_proj_scales[e], x.dtype)
         y = F.linear(x[tok], w_gate_up, experts.gate_up_proj_bias[e])  # [n, 2I]
         y = F.linear(clamped_swiglu(y, experts.alpha, experts.limit), w_down, experts.down_proj_bias[e])
         out.index_add_(0, tok, y * weights[tok, slot, None])

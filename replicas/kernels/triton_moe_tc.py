@@ -69,7 +69,7 @@ X_SHIFT = tl.constexpr(64)
 X_SCALE = tl.constexpr(float(2 ** X_SHIFT.value))
 
 
-def mma_asm(ref: str = "$", chains: int = 1) -> str:
+def mma_asm(ref: str = "$", chains: int = 1, repacked: bool = False) -> str:
     """PTX for one lane and one step: 8 packed words (``$2..$5`` row a, ``$6..$9`` row b: its 32-value block
     of each row) and the block's 32 activations as 16 bf16 pairs (``$10..$25``; zeros in lanes that supply no
     B operand); 16 code pairs decoded per row, 8 MMAs; ``$0`` / ``$1``: the two rows' block partial sums
@@ -81,15 +81,21 @@ def mma_asm(ref: str = "$", chains: int = 1) -> str:
     ``2**a + 2**b``, which places a copy of each nibble so that its magnitude bits land on bf16 bits 8..6 and
     another so that its sign lands on bit 15 (the copies do not overlap, so the product is their OR); mask
     those bits. The multiplications (and the shift, a ``mul.hi``) run on the FMA pipe, leaving two ``lop3``
-    per pair on the integer ALU pipe, which runs at half the issue rate on an H200."""
+    per pair on the integer ALU pipe, which runs at half the issue rate on an H200.
+
+    ``repacked``: the words are in :mod:`replicas.kernels.mxfp4_decode_layout`'s layout (pair 0 one
+    instruction, pairs 1 and 2 two, pair 3 four)."""
     acc = ["c", "d"][:chains]
     lines = ["{", ".reg .b32 a<4>, m, t, h<8>;", ".reg .f32 " + ", ".join(f"{c}<4>" for c in acc) + ";"]
     lines += [f"mov.b32 {c}{i}, 0f00000000;" for c in acc for i in range(4)]
-    lines += [f"mul.hi.u32 h{i}, {ref}{2 + i}, 0x1000000;" for i in range(8)]  # the words shifted right by 8
+    if not repacked:
+        lines += [f"mul.hi.u32 h{i}, {ref}{2 + i}, 0x1000000;" for i in range(8)]  # the words shifted right by 8
     # pair p' of a (shifted) word: nibble mask, multiplier (magnitude shift, sign shift)
     forms = [(0x000F000F, (1 << 6) + (1 << 12)), (0x00F000F0, (1 << 2) + (1 << 8))]
 
     def pair(dst, word, p):
+        if repacked:
+            return _repacked_pair(dst, f"{ref}{2 + word}", p)
         mask, mult = forms[p % 2]
         src = f"{ref}{2 + word}" if p < 2 else f"h{word}"
         return [f"and.b32 m, {src}, {mask:#010x};", f"mul.lo.u32 t, m, {mult:#x};", f"and.b32 {dst}, t, 0x81C081C0;"]
@@ -106,6 +112,21 @@ def mma_asm(ref: str = "$", chains: int = 1) -> str:
         lines += ["add.f32 c0, c0, d0;", "add.f32 c2, c2, d2;"]
     lines += [f"mov.b32 {ref}0, c0;", f"mov.b32 {ref}1, c2;", "}"]
     return "\n".join(lines)
+
+
+def _repacked_pair(dst: str, word: str, p: int) -> list[str]:
+    """PTX decoding code pair ``p`` of a word in :mod:`replicas.kernels.mxfp4_decode_layout`'s layout into the
+    bf16x2 register ``dst`` (temporaries ``m``, ``t``, ``a<4>`` untouched but ``dst``)."""
+    from replicas.kernels import mxfp4_decode_layout as layout
+
+    if p == 0:
+        return [f"and.b32 {dst}, {word}, {layout.PAIR_MASK:#010x};"]
+    if p < 3:
+        return [f"shl.b32 t, {word}, {layout.PAIR_SHIFTS[p]};", f"and.b32 {dst}, t, {layout.PAIR_MASK:#010x};"]
+    return [f"and.b32 m, {word}, {layout.PAIR3_MASK:#010x};",
+            f"mul.hi.u32 t, m, {layout.PAIR3_HI_MULTIPLIER:#x};",
+            f"shl.b32 m, m, {layout.PAIR3_SIGN_SHIFT};",
+            f"lop3.b32 {dst}, t, m, {layout.PAIR_MASK:#010x}, 0xA8;"]  # (t | m) & mask
 
 
 _MMA_ASM = tl.constexpr(mma_asm())

@@ -17,33 +17,64 @@ import torch
 import triton
 import triton.language as tl
 
+from replicas.kernels import mxfp4_decode_layout as layout
 from replicas.kernels.triton_moe_gemv import e2m1_bits
 from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
 
+_PAIR_MASK = tl.constexpr(layout.PAIR_MASK)
+_PAIR3_MASK = tl.constexpr(layout.PAIR3_MASK)
+_SHIFT1 = tl.constexpr(layout.PAIR_SHIFTS[1])
+_SHIFT2 = tl.constexpr(layout.PAIR_SHIFTS[2])
+_SIGN3 = tl.constexpr(layout.PAIR3_SIGN_SHIFT)
+
 
 @triton.jit
-def _dequant_kernel(b_ptr, s_ptr, out_ptr, NB, BLOCKS: tl.constexpr, PTX: tl.constexpr):
-    """Grid ``(cdiv(NB, BLOCKS),)`` over the ``NB`` 32-value blocks: ``out[blk, 0:32]`` in ``out``'s dtype."""
+def _repacked_bits(w):
+    """Words ``[BLOCKS, 4]`` uint32 in :mod:`replicas.kernels.mxfp4_decode_layout`'s layout → ``[BLOCKS, 32]``
+    fp32 E2M1 values times ``2**-126``, in element order (the decode kernels' pair decoding; a bf16 pattern
+    shifted up 16 bits is the fp32 one). Pair 3's ``mul.hi`` by ``2**30 + 2**25`` is ``(v >> 2) | (v >> 7)``."""
+    v = w & _PAIR3_MASK
+    pairs = (w & _PAIR_MASK, (w << _SHIFT1) & _PAIR_MASK, (w << _SHIFT2) & _PAIR_MASK,
+             ((v >> 2) | (v >> 7) | (v << _SIGN3)) & _PAIR_MASK)
+    a0 = tl.join((pairs[0] << 16).to(tl.float32, bitcast=True), (pairs[0] & 0xFFFF0000).to(tl.float32, bitcast=True))
+    a1 = tl.join((pairs[1] << 16).to(tl.float32, bitcast=True), (pairs[1] & 0xFFFF0000).to(tl.float32, bitcast=True))
+    a2 = tl.join((pairs[2] << 16).to(tl.float32, bitcast=True), (pairs[2] & 0xFFFF0000).to(tl.float32, bitcast=True))
+    a3 = tl.join((pairs[3] << 16).to(tl.float32, bitcast=True), (pairs[3] & 0xFFFF0000).to(tl.float32, bitcast=True))
+    # a_p [.., 2]: codes p (low half) and p + 4; element e = 4 i2 + 2 i1 + i0 of the word after two more joins
+    return tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [w.shape[0], 32])
+
+
+@triton.jit
+def _dequant_kernel(b_ptr, w_ptr, s_ptr, out_ptr, NB, BLOCKS: tl.constexpr, PTX: tl.constexpr,
+                    REPACKED: tl.constexpr):
+    """Grid ``(cdiv(NB, BLOCKS),)`` over the ``NB`` 32-value blocks: ``out[blk, 0:32]`` in ``out``'s dtype.
+    ``REPACKED``: read the blocks as 32-bit words (``w_ptr``) in the decode layout."""
     blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     ok = blk < NB
-    c = tl.arange(0, 16)
-    b = tl.load(b_ptr + blk.to(tl.int64)[:, None] * 16 + c[None, :], mask=ok[:, None], other=0)
     s = tl.load(s_ptr + blk, mask=ok, other=127).to(tl.int32)
-    lo, hi = e2m1_bits(b, PTX)
     scale = ((s + (127 - 64)) << 23).to(tl.float32, bitcast=True)[:, None]  # 2**(s-64)
-    lo = (lo * 9223372036854775808.0) * scale  # (v * 2**-126 * 2**63) * 2**(s-64), in this order: no overflow
-    hi = (hi * 9223372036854775808.0) * scale
-    vals = tl.reshape(tl.join(lo, hi), [BLOCKS, 32])  # elements 2j, 2j+1
+    if REPACKED:
+        w = tl.load(w_ptr + blk.to(tl.int64)[:, None] * 4 + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0)
+        vals = (_repacked_bits(w.to(tl.uint32, bitcast=True)) * 9223372036854775808.0) * scale
+    else:
+        c = tl.arange(0, 16)
+        b = tl.load(b_ptr + blk.to(tl.int64)[:, None] * 16 + c[None, :], mask=ok[:, None], other=0)
+        lo, hi = e2m1_bits(b, PTX)
+        lo = (lo * 9223372036854775808.0) * scale  # (v * 2**-126 * 2**63) * 2**(s-64), in this order: no overflow
+        hi = (hi * 9223372036854775808.0) * scale
+        vals = tl.reshape(tl.join(lo, hi), [BLOCKS, 32])  # elements 2j, 2j+1
     tl.store(out_ptr + blk.to(tl.int64)[:, None] * 32 + tl.arange(0, 32)[None, :],
              vals.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 def triton_dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
-                            dtype: torch.dtype = torch.bfloat16, ptx: bool | None = None) -> torch.Tensor:
+                            dtype: torch.dtype = torch.bfloat16, ptx: bool | None = None,
+                            repacked: bool = False) -> torch.Tensor:
     """``dequantize_mxfp4`` in one launch: uint8 ``blocks`` ``[..., rows, G, 16]`` and ``scales``
     ``[..., rows, G]`` → ``[..., rows, G * 32]`` in ``dtype`` (exact).
 
     ``ptx``: inline-PTX decoding (default on CUDA; Triton's CPU interpreter needs False).
+    ``repacked``: ``blocks`` are in :mod:`replicas.kernels.mxfp4_decode_layout`'s bit layout.
 
     Raises:
         ValueError: not uint8, not contiguous, or the shapes do not pair up.
@@ -57,6 +88,6 @@ def triton_dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
     out = torch.empty(*scales.shape[:-1], scales.shape[-1] * BLOCK_SIZE, dtype=dtype, device=blocks.device)
     nb = scales.numel()
     per_program = 64
-    _dequant_kernel[(triton.cdiv(nb, per_program),)](blocks, scales, out, nb, BLOCKS=per_program, PTX=ptx,
-                                                      num_warps=4)
+    _dequant_kernel[(triton.cdiv(nb, per_program),)](blocks, blocks.view(torch.int32), scales, out, nb,
+                                                      BLOCKS=per_program, PTX=ptx, REPACKED=repacked, num_warps=4)
     return out

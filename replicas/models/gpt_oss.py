@@ -34,6 +34,8 @@ from replicas.kernels.moe import (
     moe_add_rmsnorm,
     moe_reference,
     moe_takes_mxfp4,
+    prepare_decode_layout,
+    restore_checkpoint_layout,
     route,
 )
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
@@ -296,6 +298,22 @@ class GptOssForCausalLM(nn.Module):
             layer.self_attn.fuse_qkv()
         return self
 
+    def prepare_decode_layout(self) -> GptOssForCausalLM:
+        """Repack every layer's experts for the decode MoE kernels where they will run them
+        (:func:`~replicas.kernels.moe.prepare_decode_layout`: CUDA, bf16, Hopper); returns ``self``. Call
+        once the weights are loaded, before any CUDA graph is captured."""
+        for layer in self.model.layers:
+            prepare_decode_layout(layer.mlp.experts)
+        return self
+
+    def relayout_experts(self) -> GptOssForCausalLM:
+        """Put the experts in the layout the current MoE settings want (checkpoint layout, then
+        :meth:`prepare_decode_layout`), e.g. after a benchmark changed :data:`replicas.kernels.moe.MOE_KERNEL`;
+        returns ``self``. CUDA graphs captured before read the new layout."""
+        for layer in self.model.layers:
+            restore_checkpoint_layout(layer.mlp.experts)
+        return self.prepare_decode_layout()
+
     def decode_static(
         self, token: torch.Tensor, position: torch.Tensor, block_table: torch.Tensor, kv_planes: KVPlanes
     ) -> torch.Tensor:
@@ -321,7 +339,7 @@ class GptOssForCausalLM(nn.Module):
         layers = self.model.layers
         x = self.model.embed_tokens(token)  # [B, hidden]
         _, h = add_rmsnorm(x, None, layers[0].input_layernorm, True)
-        mx = moe_takes_mxfp4(h)  # the post-attention norm also writes the MoE kernels' activation format
+        mx = moe_takes_mxfp4(h, layers[0].mlp.experts)  # the post-attention norm also writes their format
         for i, (layer, (kp, vp)) in enumerate(zip(layers, kv_planes, strict=True)):
             attn = layer.self_attn
             q = rope_kv_write(attn, h, self.rope_cos, self.rope_sin, position, block_table, kp, vp)  # [1, H, D]
@@ -361,7 +379,7 @@ class GptOssForCausalLM(nn.Module):
         model.load_state_dict(weights, strict=True, assign=True)
         cos, sin = rope_tables(cfg)
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-        return model.eval().fuse_qkv()
+        return model.eval().fuse_qkv().prepare_decode_layout()
 
 
 def check_weights(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], path) -> None:

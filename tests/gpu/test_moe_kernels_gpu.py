@@ -253,6 +253,7 @@ def test_bulk_copy_mxfp4_moe_at_120b_dims(tokens):
     within summation order) for every tile they take, and bf16 tolerance of the all-fp32 reference."""
     from replicas.kernels.cuda_moe_bulk import cuda_moe_bulk
     from replicas.kernels.moe import moe_reference
+    from replicas.kernels.mxfp4_decode_layout import repack_
     from replicas.kernels.triton_moe_tc import mxfp4_activations
 
     x, w, ids, experts, args, same_math, scale = _bf16_case(tokens, tokens + 60, 8)
@@ -267,6 +268,13 @@ def test_bulk_copy_mxfp4_moe_at_120b_dims(tokens):
         assert ((parts.sum(1) - ref).abs().max() / ref.abs().max()).item() < 2e-2
     # fp32 routing weights and int32 ids take the same path
     parts = cuda_moe_bulk(x, w.float(), ids.int(), *args[3:])
+    assert ((parts - same_math).abs().max() / scale).item() < 1e-4
+    # the decode layout: the same blocks repacked give the same sums
+    gu, dn = repack_(experts.gate_up_proj_blocks.clone()), repack_(experts.down_proj_blocks.clone())
+    packed = (gu, *args[4:6], dn, *args[7:])
+    parts = cuda_moe_bulk(*args[:3], *packed, x_mxfp4=mxfp4_activations(x), repacked=True)
+    assert ((parts - same_math).abs().max() / scale).item() < 1e-4
+    parts = cuda_moe_bulk(*args[:3], *packed, repacked=True, num_warps=8, down_num_warps=8, stages=2, blocks_per_sm=2)
     assert ((parts - same_math).abs().max() / scale).item() < 1e-4
 
 
@@ -307,3 +315,51 @@ def test_bulk_copy_moe_in_a_cuda_graph_with_small_widths():
         assert ref.abs().max() > 0.5
         rel = ((out.sum(1) - ref).abs().max() / ref.abs().max()).item()
         assert rel < 2e-2, (trial, rel)
+
+
+def test_repacked_experts_through_every_moe_path(monkeypatch):
+    """Experts repacked at load (``prepare_decode_layout``): the decode glue runs the bulk kernels on the
+    decode layout and agrees with the exact SIMT kernels on the checkpoint layout; the prefill path (which
+    dequantizes) gives exactly what it gave before repacking; another kernel setting is refused; restoring
+    gives back the checkpoint bytes."""
+    from types import SimpleNamespace
+
+    from replicas.kernels import moe as dispatch
+    from replicas.kernels.static_decode import add_rmsnorm
+
+    experts = Experts(torch.bfloat16, seed=70)
+    original = experts.gate_up_proj_blocks.clone(), experts.down_proj_blocks.clone()
+    g = torch.Generator(device="cuda").manual_seed(9)
+    res = torch.randn(3, HIDDEN, generator=g, device="cuda").bfloat16()
+    delta = torch.randn(3, HIDDEN, generator=g, device="cuda").bfloat16()
+    norm = SimpleNamespace(weight=(1 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).bfloat16(), eps=1e-5)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(3)])
+    w = torch.softmax(torch.randn(3, 4, generator=g, device="cuda"), -1).bfloat16()
+    x20 = torch.randn(20, HIDDEN, generator=g, device="cuda").bfloat16()
+    ids20 = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(20)])
+    w20 = torch.softmax(torch.randn(20, 4, generator=g, device="cuda"), -1).bfloat16()
+    monkeypatch.setattr(dispatch, "MOE_KERNEL", "gemv")
+    x, h, _ = add_rmsnorm(res, delta, norm, True, mxfp4_out=True)
+    x_exact, _ = dispatch.moe_add_rmsnorm(h, w, ids, experts, x, norm, True)
+    prefill = dispatch.moe(x20, w20, ids20, experts)
+
+    monkeypatch.setattr(dispatch, "MOE_KERNEL", "bulk")
+    assert not dispatch.prepare_decode_layout(experts)  # off unless asked for
+    monkeypatch.setattr(dispatch, "REPACK", True)
+    assert dispatch.prepare_decode_layout(experts) and dispatch.repacked(experts)
+    assert not torch.equal(experts.gate_up_proj_blocks, original[0])
+    assert not dispatch.prepare_decode_layout(experts)  # once
+    assert dispatch.moe_takes_mxfp4(h, experts)
+    x, h, h_mx = add_rmsnorm(res, delta, norm, True, mxfp4_out=True)
+    x_bulk, _ = dispatch.moe_add_rmsnorm(h, w, ids, experts, x, norm, True, x_mxfp4=h_mx)
+    moe_bulk, moe_exact = x_bulk.float() - x.float(), x_exact.float() - x.float()
+    assert moe_exact.abs().max() > 1
+    assert ((moe_bulk - moe_exact).abs().max() / moe_exact.abs().max()).item() < 3e-2
+    assert torch.equal(dispatch.moe(x20, w20, ids20, experts), prefill)
+
+    monkeypatch.setattr(dispatch, "MOE_KERNEL", "tc")
+    with pytest.raises(ValueError, match="repacked"):
+        dispatch.moe_add_rmsnorm(h, w, ids, experts, x, norm, True)
+    dispatch.restore_checkpoint_layout(experts)
+    assert not dispatch.repacked(experts)
+    assert torch.equal(experts.gate_up_proj_blocks, original[0]) and torch.equal(experts.down_proj_blocks, original[1])

@@ -16,21 +16,35 @@ pytest.importorskip("triton")
 
 from replicas.kernels import cuda_moe_bulk as bulk  # noqa: E402
 from replicas.kernels.cuda_source import _LaunchAttribute, _LaunchConfig  # noqa: E402
+from replicas.kernels.mxfp4_decode_layout import repack_, unpacked  # noqa: E402
 from replicas.kernels.triton_moe_tc import mma_asm  # noqa: E402
 from replicas.models.mxfp4 import E2M1_MAGNITUDES  # noqa: E402
 
 
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """PTX ``lop3.b32``: bit i of the result is bit ``4 a_i + 2 b_i + c_i`` of ``lut``."""
+    return sum(((lut >> (4 * (a >> i & 1) + 2 * (b >> i & 1) + (c >> i & 1))) & 1) << i for i in range(32))
+
+
 def _run_decode(asm: str, words: list[int]) -> list[dict[str, int]]:
-    """Interpret the integer part of ``mma_asm`` (``and``, ``mul.lo``, ``mul.hi`` on u32) for input words
-    ``$2..$9``; the A-operand registers ``a0..a3`` as they stand at each ``mma``."""
+    """Interpret the integer part of ``mma_asm`` (``and``, ``shl``, ``mul.lo``, ``mul.hi``, ``lop3`` on u32)
+    for input words ``$2..$9``; the A-operand registers ``a0..a3`` as they stand at each ``mma``."""
     regs = {f"${2 + i}": w for i, w in enumerate(words)}
     seen = []
     for line in asm.splitlines():
-        m = re.match(r"(and\.b32|mul\.lo\.u32|mul\.hi\.u32) (\w+), (\$?\w+), (0x[0-9a-fA-F]+);", line)
+        m = re.match(r"(and\.b32|shl\.b32|mul\.lo\.u32|mul\.hi\.u32) (\w+), (\$?\w+), (0x[0-9a-fA-F]+|\d+);", line)
+        lop = re.match(r"lop3\.b32 (\w+), (\w+), (\w+), (0x[0-9a-fA-F]+), (0x[0-9a-fA-F]+);", line)
         if m:
-            op, dst, src, imm = m.group(1), m.group(2), regs[m.group(3)], int(m.group(4), 16)
-            regs[dst] = {"and.b32": src & imm, "mul.lo.u32": (src * imm) & 0xFFFFFFFF,
-                         "mul.hi.u32": (src * imm) >> 32}[op]
+            op, dst, src, imm = m.group(1), m.group(2), regs[m.group(3)], int(m.group(4), 0)
+            if op == "and.b32":
+                regs[dst] = src & imm
+            elif op == "shl.b32":
+                regs[dst] = (src << imm) & 0xFFFFFFFF
+            else:
+                regs[dst] = (src * imm) & 0xFFFFFFFF if op == "mul.lo.u32" else (src * imm) >> 32
+        elif lop:
+            regs[lop.group(1)] = _lop3(regs[lop.group(2)], regs[lop.group(3)], int(lop.group(4), 16),
+                                       int(lop.group(5), 16))
         elif line.startswith("mma.sync"):
             seen.append({r: regs[r] for r in ("a0", "a1", "a2", "a3")})
         else:
@@ -47,18 +61,27 @@ def _as_bf16(bits: int) -> float:
     return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().item()
 
 
-@pytest.mark.parametrize("chains", [1, 2])
-def test_decode_ptx_gives_every_code_its_value_in_the_mma_k_order(chains):
+def _repacked(words: list[int]) -> list[int]:
+    """``words`` moved into the decode layout by :func:`repack_` (the code under test for the layout)."""
+    t = torch.tensor(words, dtype=torch.int64)
+    t = torch.where(t >= 2 ** 31, t - 2 ** 32, t).to(torch.int32).view(torch.uint8).view(2, 16)
+    repack_(t)
+    return [w & 0xFFFFFFFF for w in t.view(-1).view(torch.int32).tolist()]
+
+
+@pytest.mark.parametrize("chains,repacked", [(1, False), (2, False), (2, True)])
+def test_decode_ptx_gives_every_code_its_value_in_the_mma_k_order(chains, repacked):
     """Each MMA ``i`` gets, in ``a0``/``a2`` (row a) and ``a1``/``a3`` (row b), the bf16 pairs of codes
     ``(p, p + 4)`` for pairs ``p0 = 2 (i % 2)`` and ``p0 + 1`` of word ``i // 2``: every one of the 16 codes,
-    in every nibble position, decoded to its E2M1 value times 2**-126."""
+    in every nibble position, decoded to its E2M1 value times 2**-126; from the checkpoint's words, or from
+    the same words repacked into :mod:`~replicas.kernels.mxfp4_decode_layout`'s layout."""
     g = torch.Generator().manual_seed(0)
-    asm = mma_asm(chains=chains)
+    asm = mma_asm(chains=chains, repacked=repacked)
     for trial in range(64):
         words = [int(v) for v in torch.randint(0, 2 ** 32, (8,), generator=g, dtype=torch.int64)]
         if trial < 16:  # every code in every nibble of every word
             words = [int("".join([f"{trial:x}"] * 8), 16)] * 8
-        for i, regs in enumerate(_run_decode(asm, words)):
+        for i, regs in enumerate(_run_decode(asm, _repacked(words) if repacked else words)):
             w, p0 = i // 2, 2 * (i % 2)
             for reg, word, p in (("a0", words[w], p0), ("a2", words[w], p0 + 1), ("a1", words[4 + w], p0),
                                  ("a3", words[4 + w], p0 + 1)):
@@ -107,3 +130,50 @@ def _operands(t=1, k=4, hidden=64, inter=64, experts=4, bias_dtype=torch.bfloat1
 def test_bad_operands_are_refused_before_any_launch(kwargs, operands, match):
     with pytest.raises(ValueError, match=match):
         bulk.cuda_moe_bulk(*_operands(**operands), **kwargs)
+
+
+def test_repacking_moves_bits_within_words_and_unpacks_exactly():
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (3, 7, 5, 16), generator=g, dtype=torch.uint8)
+    original = blocks.clone()
+    assert repack_(blocks, chunk_rows=4) is blocks
+    assert not torch.equal(blocks, original)
+    words = lambda b: b.view(-1, 4).view(torch.int32).view(-1)  # noqa: E731
+    pop = lambda w: sum(((w.to(torch.int64) & 0xFFFFFFFF) >> i & 1).sum() for i in range(32))  # noqa: E731
+    assert pop(words(blocks)) == pop(words(original))  # a permutation of bits: as many ones
+    assert torch.equal(unpacked(blocks), original)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        repack_(blocks.float())
+
+
+def test_moe_reference_reads_repacked_experts_and_other_kernels_are_refused(monkeypatch):
+    """Experts tagged as repacked: the dequantizing reference unpacks them (same result as before), and a
+    kernel setting other than ``bulk`` is refused rather than fed the wrong layout."""
+    from types import SimpleNamespace
+
+    from replicas.kernels import moe as dispatch
+
+    g = torch.Generator().manual_seed(2)
+    e, hidden, inter = 4, 64, 64
+    experts = SimpleNamespace(
+        gate_up_proj_blocks=torch.randint(0, 256, (e, 2 * inter, hidden // 32, 16), generator=g, dtype=torch.uint8),
+        gate_up_proj_scales=torch.randint(118, 124, (e, 2 * inter, hidden // 32), generator=g, dtype=torch.uint8),
+        gate_up_proj_bias=0.1 * torch.randn(e, 2 * inter, generator=g),
+        down_proj_blocks=torch.randint(0, 256, (e, hidden, inter // 32, 16), generator=g, dtype=torch.uint8),
+        down_proj_scales=torch.randint(118, 124, (e, hidden, inter // 32), generator=g, dtype=torch.uint8),
+        down_proj_bias=0.1 * torch.randn(e, hidden, generator=g), alpha=1.702, limit=7.0)
+    x = torch.randn(3, hidden, generator=g)
+    ids = torch.tensor([[0, 2], [3, 1], [2, 3]])
+    w = torch.softmax(torch.randn(3, 2, generator=g), -1)
+    before = dispatch.moe_reference(x, w, ids, experts)
+    assert not dispatch.prepare_decode_layout(experts)  # CPU tensors: nothing to repack for
+    repack_(experts.gate_up_proj_blocks)
+    repack_(experts.down_proj_blocks)
+    experts.decode_layout = True
+    assert torch.equal(dispatch.moe_reference(x, w, ids, experts), before)
+    monkeypatch.setattr(dispatch, "MOE_KERNEL", "tc")
+    with pytest.raises(ValueError, match="repacked for the bulk"):
+        dispatch.moe_takes_mxfp4(x, experts)
+    dispatch.restore_checkpoint_layout(experts)
+    assert not dispatch.repacked(experts)
+    assert torch.equal(dispatch.moe_reference(x, w, ids, experts), before)

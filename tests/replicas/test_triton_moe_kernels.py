@@ -155,6 +155,10 @@ def test_triton_dequantize_matches_torch_exactly(dtype):
     ours = triton_dequantize_mxfp4(blocks, scales, dtype, ptx=torch.cuda.is_available())
     assert ours.shape == (3, 37, 160) and ours.dtype == dtype
     assert torch.equal(ours, dequantize_mxfp4(blocks, scales, dtype))
+    # the same blocks in the decode kernels' bit layout dequantize to the same values
+    from replicas.kernels.mxfp4_decode_layout import repack_
+
+    assert torch.equal(triton_dequantize_mxfp4(repack_(blocks.clone()), scales, dtype, repacked=True), ours)
 
 
 @pytest.mark.parametrize("tokens,k,pairs", [(1, 4, 1), (2, 2, 2)])
