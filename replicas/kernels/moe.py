@@ -63,7 +63,11 @@ def prepare_decode_layout(experts) -> bool:
     """Repack ``experts``' blocks in place for the ``bulk`` decode kernels when those will run them (CUDA,
     bf16 biases, :data:`MOE_KERNEL` ``bulk`` and runnable here, :data:`REPACK`), and tag the module; returns
     whether it did. Call once after loading, never inside a CUDA-graph capture. From then on every MoE path
-    honours the layout: the decode kernels read it, the dequantizing paths unpack a copy per expert."""
+    honours the layout: the decode kernels and the prefill's Triton dequantization read it, the torch
+    reference unpacks a copy per expert.
+
+    Raises:
+        RuntimeError: called during a CUDA-graph capture."""
     from replicas.kernels.mxfp4_decode_layout import repack_
 
     blocks = experts.gate_up_proj_blocks

@@ -192,6 +192,8 @@ class Experts(nn.Module):
         down_proj_blocks: uint8 ``[E, hidden, I/32, 16]``; down_proj_scales: uint8 ``[E, hidden, I/32]``.
     Parameters: gate_up_proj_bias ``[E, 2I]``, down_proj_bias ``[E, hidden]``.
     Gate and up rows are interleaved: row ``2j`` is gate ``j``, row ``2j + 1`` is up ``j``.
+    After :meth:`GptOssForCausalLM.prepare_decode_layout` repacked them (``decode_layout`` True), the
+    ``*_blocks`` hold :mod:`replicas.kernels.mxfp4_decode_layout`'s bit layout, not the checkpoint's.
     """
 
     def __init__(self, cfg: GptOssConfig):
