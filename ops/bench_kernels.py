@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
         kernel = getattr(importlib.import_module(module), fn_name)
 
         extra = {}
-        if name in ("tc", "bulk"):  # their activations come in its own format from the launch that produced them
+        if name in ("tc", "bulk"):  # their activations come in their own format from the launch before
             from replicas.kernels.triton_moe_tc import mxfp4_activations
             extra = {"x_mxfp4": mxfp4_activations(x)}
 

@@ -296,8 +296,10 @@ def available(device_index: int) -> bool:
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(SMs, shared-memory bytes a block may opt in to) of ``device``."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.shared_memory_per_block_optin
 
 
 def cuda_moe_bulk(
@@ -353,7 +355,7 @@ def cuda_moe_bulk(
         raise ValueError(f"16 * pairs must divide 2I ({2 * inter}) and 16 * down_pairs hidden ({hidden})")
     if t * k > MAX_PAIRS:
         raise ValueError(f"{t} tokens x {k} experts: at most {MAX_PAIRS} (token, expert) pairs per call")
-    limit_bytes = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
+    sms, limit_bytes = _device_limits(x.device)
     for g, w, p in ((hidden // BLOCK_SIZE, num_warps, pairs), (inter // BLOCK_SIZE, down_num_warps, down_pairs)):
         if shared_bytes(g, w, p, stages) > limit_bytes:
             raise ValueError(f"{stages} stages of {16 * p} rows x {g} blocks need {shared_bytes(g, w, p, stages)} "
@@ -367,7 +369,7 @@ def cuda_moe_bulk(
     ids, weights = ids.contiguous(), weights.contiguous()
     pdl = "launch_pdl" in pdl_args(x)
     pairs_n = t * k
-    blocks = blocks_per_sm * _sm_count(x.device)
+    blocks = blocks_per_sm * sms
     i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
     h = torch.empty(pairs_n, inter, dtype=torch.bfloat16, device=x.device)
     tiles = pairs_n * 2 * inter // (16 * pairs)

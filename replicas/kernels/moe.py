@@ -227,14 +227,14 @@ def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exp
     from replicas.models.mxfp4 import dequantize_mxfp4
 
     dequantize = dequantize or dequantize_mxfp4
-    layout = lambda blocks: blocks  # noqa: E731
     if repacked(experts):
-        dequantize, layout = (dequantize_repacked, layout) if dequantize_repacked else (dequantize, unpacked)
+        plain = dequantize
+        dequantize = dequantize_repacked or (lambda blocks, scales, dtype: plain(unpacked(blocks), scales, dtype))
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         tok, slot = torch.where(ids == e)  # tokens routed to e, and at which of their K slots
-        w_gate_up = dequantize(layout(experts.gate_up_proj_blocks[e]), experts.gate_up_proj_scales[e], x.dtype)
-        w_down = dequantize(layout(experts.down_proj_blocks[e]), experts.down_proj_scales[e], x.dtype)
+        w_gate_up = dequantize(experts.gate_up_proj_blocks[e], experts.gate_up_proj_scales[e], x.dtype)
+        w_down = dequantize(experts.down_proj_blocks[e], experts.down_proj_scales[e], x.dtype)
         y = F.linear(x[tok], w_gate_up, experts.gate_up_proj_bias[e])  # [n, 2I]
         y = F.linear(clamped_swiglu(y, experts.alpha, experts.limit), w_down, experts.down_proj_bias[e])
         out.index_add_(0, tok, y * weights[tok, slot, None])

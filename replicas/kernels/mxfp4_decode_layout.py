@@ -41,8 +41,11 @@ PAIR_MASK = 0x81C081C0
 PAIR3_MASK = 0x6C006C00
 """Where pair 3 is stored (bits 10, 11, 13, 14, 26, 27, 29, 30)."""
 
-PAIR3_HI_MULTIPLIER = (1 << 30) + (1 << 25)
-"""``mul.hi`` by this shifts right by 2 and by 7 at once (pair 3's magnitude bits)."""
+PAIR3_MAGNITUDE_SHIFTS = (2, 7)
+"""Pair 3's magnitude bits are stored this many bits above their bf16 positions (decoded by right shifts)."""
+
+PAIR3_HI_MULTIPLIER = sum(1 << (32 - s) for s in PAIR3_MAGNITUDE_SHIFTS)
+"""``mul.hi`` by this shifts right by both :data:`PAIR3_MAGNITUDE_SHIFTS` at once (``2**30 + 2**25``)."""
 
 PAIR3_SIGN_SHIFT = 4
 """Pair 3's signs are stored this many bits below their bf16 positions."""

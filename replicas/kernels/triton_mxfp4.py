@@ -25,22 +25,29 @@ _PAIR_MASK = tl.constexpr(layout.PAIR_MASK)
 _PAIR3_MASK = tl.constexpr(layout.PAIR3_MASK)
 _SHIFT1 = tl.constexpr(layout.PAIR_SHIFTS[1])
 _SHIFT2 = tl.constexpr(layout.PAIR_SHIFTS[2])
+_MAG3_A = tl.constexpr(layout.PAIR3_MAGNITUDE_SHIFTS[0])
+_MAG3_B = tl.constexpr(layout.PAIR3_MAGNITUDE_SHIFTS[1])
 _SIGN3 = tl.constexpr(layout.PAIR3_SIGN_SHIFT)
+
+
+@triton.jit
+def _pair_values(pair):
+    """bf16x2 code-pair patterns (uint32) → ``[..., 2]`` fp32: the low code, the high code (a bf16 pattern
+    shifted up 16 bits is the fp32 one)."""
+    return tl.join((pair << 16).to(tl.float32, bitcast=True), (pair & 0xFFFF0000).to(tl.float32, bitcast=True))
 
 
 @triton.jit
 def _repacked_bits(w):
     """Words ``[BLOCKS, 4]`` uint32 in :mod:`replicas.kernels.mxfp4_decode_layout`'s layout → ``[BLOCKS, 32]``
-    fp32 E2M1 values times ``2**-126``, in element order (the decode kernels' pair decoding; a bf16 pattern
-    shifted up 16 bits is the fp32 one). Pair 3's ``mul.hi`` by ``2**30 + 2**25`` is ``(v >> 2) | (v >> 7)``."""
+    fp32 E2M1 values times ``2**-126``, in element order (the decode kernels' pair decoding; pair 3's
+    ``mul.hi`` written as its two right shifts)."""
     v = w & _PAIR3_MASK
-    pairs = (w & _PAIR_MASK, (w << _SHIFT1) & _PAIR_MASK, (w << _SHIFT2) & _PAIR_MASK,
-             ((v >> 2) | (v >> 7) | (v << _SIGN3)) & _PAIR_MASK)
-    a0 = tl.join((pairs[0] << 16).to(tl.float32, bitcast=True), (pairs[0] & 0xFFFF0000).to(tl.float32, bitcast=True))
-    a1 = tl.join((pairs[1] << 16).to(tl.float32, bitcast=True), (pairs[1] & 0xFFFF0000).to(tl.float32, bitcast=True))
-    a2 = tl.join((pairs[2] << 16).to(tl.float32, bitcast=True), (pairs[2] & 0xFFFF0000).to(tl.float32, bitcast=True))
-    a3 = tl.join((pairs[3] << 16).to(tl.float32, bitcast=True), (pairs[3] & 0xFFFF0000).to(tl.float32, bitcast=True))
-    # a_p [.., 2]: codes p (low half) and p + 4; element e = 4 i2 + 2 i1 + i0 of the word after two more joins
+    a0 = _pair_values(w & _PAIR_MASK)  # codes 0 and 4 of each word
+    a1 = _pair_values((w << _SHIFT1) & _PAIR_MASK)
+    a2 = _pair_values((w << _SHIFT2) & _PAIR_MASK)
+    a3 = _pair_values(((v >> _MAG3_A) | (v >> _MAG3_B) | (v << _SIGN3)) & _PAIR_MASK)
+    # element e = 4 i2 + 2 i1 + i0 of a word: i2 from a_p's own pair axis, then i1, then i0 from the joins
     return tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [w.shape[0], 32])
 
 
