@@ -23,9 +23,9 @@ the decoding: ``docs/benchmarks.md``, GPT-OSS item 13). Only the bits inside a
 word move, so rows, blocks, scales and the activations' order are unchanged.
 The layout was found by exhaustive search over the 8! placements of pair 3.
 
-Used when :data:`replicas.kernels.moe.REPACK` is on (``PERSISTENT_SERVE_MOE_REPACK=1``):
+Used when :data:`replicas.kernels.moe.REPACK` is on (the default; ``PERSISTENT_SERVE_MOE_REPACK=0`` turns it off):
 :func:`replicas.kernels.moe.prepare_decode_layout` repacks a loaded model's experts once. gpt-oss-120b on
-an H200: 2.19 against 2.30 ms/token (``docs/benchmarks.md``, GPT-OSS item 14).
+an H200: 2.19 against 2.30 ms/token, and 2.24 against 2.32 in a later call (``docs/benchmarks.md``, GPT-OSS item 14).
 """
 
 from __future__ import annotations

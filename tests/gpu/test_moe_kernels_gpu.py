@@ -344,7 +344,8 @@ def test_repacked_experts_through_every_moe_path(monkeypatch):
     prefill = dispatch.moe(x20, w20, ids20, experts)
 
     monkeypatch.setattr(dispatch, "MOE_KERNEL", "bulk")
-    assert not dispatch.prepare_decode_layout(experts)  # off unless asked for
+    monkeypatch.setattr(dispatch, "REPACK", False)
+    assert not dispatch.prepare_decode_layout(experts)  # PERSISTENT_SERVE_MOE_REPACK=0
     monkeypatch.setattr(dispatch, "REPACK", True)
     assert dispatch.prepare_decode_layout(experts) and dispatch.repacked(experts)
     assert not torch.equal(experts.gate_up_proj_blocks, original[0])
