@@ -182,6 +182,27 @@ def route(router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return router_topk_reference(logits, router.top_k, x.dtype)
 
 
+def add_rmsnorm_route(x: torch.Tensor, delta: torch.Tensor, norm, router, mxfp4_out: bool = False,
+                      workspace: dict | None = None) -> tuple[torch.Tensor, ...]:
+    """GPT-OSS's residual add + RMSNorm (weight in fp32) after attention, then :func:`route` on the normed
+    rows: ``(x + delta, h, h_mxfp4 or None, weights [T, K], ids [T, K])`` for ``x``, ``delta`` ``[T, hidden]``;
+    ``h_mxfp4`` (with ``mxfp4_out``) is ``h`` in the tensor-core MoE kernels' format.
+
+    One bf16/fp16 row on an NVIDIA GPU: one Triton launch
+    (:func:`~replicas.kernels.triton_router.triton_add_rmsnorm_route`, scratch kept in ``workspace``);
+    otherwise :func:`~replicas.kernels.static_decode.add_rmsnorm` then :func:`route`.
+    """
+    from replicas.kernels.static_decode import add_rmsnorm
+
+    if x.is_cuda and not torch.version.hip and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
+        kernel = lazy_kernel("replicas.kernels.triton_router", "triton_add_rmsnorm_route")
+        if kernel is not None:
+            return kernel(x, delta, norm.weight, norm.eps, router.weight, router.bias, router.top_k,
+                          mxfp4_out=mxfp4_out, workspace=workspace)
+    x, h, *h_mx = add_rmsnorm(x, delta, norm, True, mxfp4_out=mxfp4_out)
+    return x, h, h_mx[0] if h_mx else None, *route(router, h)
+
+
 def router_topk_reference(logits: torch.Tensor, k: int, weight_dtype: torch.dtype):
     """``topk`` of ``logits`` ``[T, E]`` then ``softmax`` of the kept logits (fp32) → ``(weights [T, k]
     weight_dtype, ids [T, k] int64)``: transformers' ``GptOssTopKRouter``; reference of the Triton kernel."""

@@ -24,26 +24,29 @@ def _rope_kv_kernel(
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Grid ``(H + 2 KVH, B)``: one head of one token per program. The position, its RoPE row and its cache
+    page were written two or more launches back, so they load before the PDL wait; only the projection
+    itself comes from the launch just before."""
     h = tl.program_id(0)
     seq = tl.program_id(1)
-    pdl_wait(PDL)  # everything below reads the qkv GEMV's output
     qkv_ptr += seq * (H + 2 * KVH) * D
     q_out_ptr += seq * H * D
     table_ptr += seq * stride_tb
     pos = tl.load(pos_ptr + seq * stride_pos)  # -1 marks a padding row of a CUDA-graph batch: nothing is written
     offs = tl.arange(0, HALF)
+    p = tl.maximum(pos, 0)
+    c = tl.load(cos_ptr + p * stride_cos + offs).to(tl.float32)  # (v heads load them too, unused)
+    s = tl.load(sin_ptr + p * stride_cos + offs).to(tl.float32)
+    page = tl.load(table_ptr + p // PAGE)
+    pdl_wait(PDL)  # everything below reads the qkv GEMV's output
     x1 = tl.load(qkv_ptr + h * D + offs).to(tl.float32)
     x2 = tl.load(qkv_ptr + h * D + HALF + offs).to(tl.float32)
     if h < H + KVH:  # q and k heads are rotated
-        p = tl.maximum(pos, 0)
-        c = tl.load(cos_ptr + p * stride_cos + offs).to(tl.float32)
-        s = tl.load(sin_ptr + p * stride_cos + offs).to(tl.float32)
         x1, x2 = x1 * c - x2 * s, x2 * c + x1 * s
     if h < H:
         tl.store(q_out_ptr + h * D + offs, x1.to(q_out_ptr.dtype.element_ty))
         tl.store(q_out_ptr + h * D + HALF + offs, x2.to(q_out_ptr.dtype.element_ty))
     elif pos >= 0:
-        page = tl.load(table_ptr + pos // PAGE)
         base = page * stride_kb + (pos % PAGE) * stride_kt
         if h < H + KVH:
             dst = k_ptr + base + (h - H) * stride_kh

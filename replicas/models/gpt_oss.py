@@ -30,6 +30,7 @@ from torch import nn
 
 from replicas.kernels.moe import (
     GROUPED_MAX_TOKENS,
+    add_rmsnorm_route,
     moe,
     moe_add_rmsnorm,
     moe_reference,
@@ -323,8 +324,8 @@ class GptOssForCausalLM(nn.Module):
 
         Per layer on CUDA: fused qkv GEMV (1 launch at batch one in bf16/fp16: :func:`linear`), RoPE +
         KV write (1 Triton launch), split-K attention with sinks/window (2), o_proj GEMV (1), residual
-        add + RMSNorm (1), router GEMV (1), top-k softmax (1), MXFP4 gate_up + SwiGLU (1), MXFP4 down
-        per expert (1); the experts' sum, the residual add and the next layer's RMSNorm are one more
+        add + RMSNorm + router GEMV + top-k softmax (1 at batch one, else 3), MXFP4 gate_up + SwiGLU (1),
+        MXFP4 down per expert (1); the experts' sum, the residual add and the next layer's RMSNorm are one more
         launch.
         Torch references of the same kernels on CPU. Call under ``torch.inference_mode()``.
 
@@ -348,11 +349,10 @@ class GptOssForCausalLM(nn.Module):
             o = decode_attention(q, kp, vp, block_table, context_len, attn.scale, sinks=attn.sinks,
                                  sliding_window=attn.sliding_window, workspace=self._decode_workspace)
             o = linear(o.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
-            x, h, *h_mx = add_rmsnorm(x, o, layer.post_attention_layernorm, True, mxfp4_out=mx)
-            weights, ids = route(layer.mlp.router, h)
+            x, h, h_mx, weights, ids = add_rmsnorm_route(x, o, layer.post_attention_layernorm, layer.mlp.router,
+                                                         mxfp4_out=mx, workspace=self._decode_workspace)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, h = moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True,
-                                   x_mxfp4=h_mx[0] if h_mx else None)
+            x, h = moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True, x_mxfp4=h_mx)
         return self.lm_head(h).float()
 
     @classmethod

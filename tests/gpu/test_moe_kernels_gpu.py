@@ -81,6 +81,46 @@ def test_router_and_rmsnorm_bf16():
         torch.testing.assert_close(y, yr, rtol=2e-2, atol=2e-2)
 
 
+def test_add_rmsnorm_route_bf16_one_launch_against_three_inside_a_graph():
+    """gpt-oss-120b's shape (hidden 2,880, 128 experts), bf16: the fused launch gives the same x, h and MMA
+    activations (bit for bit, or a rounding apart) and the same experts as add+RMSNorm, the router GEMV and the top-k launches;
+    captured in a CUDA graph and replayed on fresh inputs (the arrival counter resets itself)."""
+    from types import SimpleNamespace
+
+    from replicas.kernels.moe import add_rmsnorm_route
+    from replicas.kernels.static_decode import linear
+    from replicas.kernels.triton_rmsnorm import triton_add_rmsnorm
+    from replicas.kernels.triton_router import triton_router_topk
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    norm = SimpleNamespace(weight=(1 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).bfloat16(), eps=1e-5)
+    e = 128  # gpt-oss-120b's expert count
+    router = SimpleNamespace(weight=(0.05 * torch.randn(e, HIDDEN, generator=g, device="cuda")).bfloat16(),
+                             bias=(0.1 * torch.randn(e, generator=g, device="cuda")).bfloat16(), top_k=4)
+    res = torch.zeros(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    delta = torch.zeros_like(res)
+    ws: dict = {}
+    add_rmsnorm_route(res, delta, norm, router, mxfp4_out=True, workspace=ws)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = add_rmsnorm_route(res, delta, norm, router, mxfp4_out=True, workspace=ws)
+    for _ in range(4):
+        res.copy_(torch.randn(1, HIDDEN, generator=g, device="cuda"))
+        delta.copy_(torch.randn(1, HIDDEN, generator=g, device="cuda"))
+        graph.replay()
+        x, h, h_mx, w, ids = (t.clone() for t in outs)
+        x_ref, h_ref, h_mx_ref = triton_add_rmsnorm(res, delta, norm.weight, norm.eps, True, mxfp4_out=True)
+        w_ref, ids_ref = triton_router_topk(linear(h_ref, router.weight, router.bias), 4, torch.bfloat16)
+        assert torch.equal(x, x_ref)
+        # the norm's fp32 sum of squares is reduced over another warp count: at most a rounding apart
+        for ours, ref in ((h, h_ref), (h_mx, h_mx_ref)):
+            assert (ours != ref).sum() <= 16
+            torch.testing.assert_close(ours, ref, rtol=8e-3, atol=0)
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(w, w_ref, rtol=1e-2, atol=1e-2)
+        assert ws["route_counter"].item() == 0
+
+
 @pytest.mark.parametrize("block,splits", [(16, 1), (16, 3), (32, 5)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 3e-3), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("tokens", [1, 5])

@@ -19,7 +19,7 @@ from replicas.kernels.triton_moe import triton_moe  # noqa: E402
 from replicas.kernels.triton_moe_gemv import triton_moe_gemv  # noqa: E402
 from replicas.kernels.triton_moe_tc import mxfp4_activations, triton_moe_tc  # noqa: E402
 from replicas.kernels.triton_rmsnorm import triton_add_rmsnorm  # noqa: E402
-from replicas.kernels.triton_router import triton_router_topk  # noqa: E402
+from replicas.kernels.triton_router import triton_add_rmsnorm_route, triton_router_topk  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -115,6 +115,50 @@ def test_router_topk_matches_topk_softmax():
     assert torch.equal(ids, ids_ref)
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-6)
     assert torch.allclose(w.sum(-1), torch.ones(5, device=DEVICE))
+
+
+def test_router_topk_ties_go_to_the_lowest_id():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, -1.0], [0.5, 0.5, 0.5, 0.5, 0.5, 0.5]], device=DEVICE)
+    w, ids = triton_router_topk(logits, 3, torch.float32)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2]]
+    torch.testing.assert_close(w, torch.full((2, 3), 1 / 3, device=DEVICE))
+
+
+@pytest.mark.parametrize("e,k,block_n", [(40, 4, 4), (128, 4, 4), (32, 2, 8)])
+def test_add_rmsnorm_route_matches_the_three_launches(e, k, block_n):
+    """One launch = add + RMSNorm (GPT-OSS's fp32 weight), router GEMV, top-k softmax; called twice with one
+    workspace on fresh inputs, so a counter left behind by the first call would leave the second call's top-k
+    unwritten."""
+    hidden = 96
+    ws: dict = {}
+    for call in range(2):
+        g = torch.Generator().manual_seed(100 * e + call)
+        res, delta = (torch.randn(1, hidden, generator=g).to(DEVICE) for _ in range(2))
+        norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(DEVICE)
+        router_w = torch.randn(e, hidden, generator=g).to(DEVICE)
+        router_b = torch.randn(e, generator=g).to(DEVICE)
+        x, h, h_mx, w, ids = triton_add_rmsnorm_route(res, delta, norm_w, 1e-5, router_w, router_b, k,
+                                                      mxfp4_out=True, workspace=ws, block_n=block_n)
+        x_ref, h_ref = add_rmsnorm_reference(res, delta, norm_w, 1e-5, True)
+        w_ref, ids_ref = router_topk_reference(torch.nn.functional.linear(h_ref, router_w, router_b), k,
+                                               torch.float32)
+        torch.testing.assert_close(x, x_ref)
+        torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h_mx.float(), mxfp4_activations(h_ref).float(), rtol=1e-2, atol=0)
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+        assert ws["route_counter"].item() == 0
+
+
+def test_add_rmsnorm_route_rejects_bad_shapes():
+    z = torch.zeros(1, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="residual/delta"):
+        triton_add_rmsnorm_route(torch.zeros(2, 32, device=DEVICE), torch.zeros(2, 32, device=DEVICE),
+                                 torch.ones(32, device=DEVICE), 1e-5, torch.zeros(8, 32, device=DEVICE),
+                                 torch.zeros(8, device=DEVICE), 2)
+    with pytest.raises(ValueError, match="residual/delta"):
+        triton_add_rmsnorm_route(z, z, torch.ones(32, device=DEVICE), 1e-5, torch.zeros(8, 32, device=DEVICE),
+                                 torch.zeros(7, device=DEVICE), 2)
 
 
 @pytest.mark.parametrize("with_delta", [True, False])
