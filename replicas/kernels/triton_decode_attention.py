@@ -28,18 +28,20 @@ TOKENS_PER_ITER = 64
 """Keys per inner iteration: four 16-token pages gathered into one tile."""
 
 SPLITS = 16
-"""Default split count (``python -m ops.bench_kernels --kernels attention``: the best at gpt-oss-120b's 8 KV
-heads and a 1,152-token context, with its 128-token window layers)."""
+"""Split count when more than 8 (sequence, KV head) pairs share the launch (the standard lane's batches;
+``python -m ops.bench_kernels --kernels attention``)."""
 
 FEW_HEADS_SPLITS = 32
-"""Split count when fewer than 8 (sequence, KV head) pairs share the launch (SmolLM2 at batch one: 3): a
-split covers ``cdiv(cdiv(context, splits), 64) * 64`` tokens, so at 1,152 tokens 16 splits leave 9 programs
-per KV head with two 64-token iterations each, and 32 leave 18 with one."""
+"""Split count when at most 8 (sequence, KV head) pairs share the launch (batch one: gpt-oss's 8 KV heads,
+SmolLM2's 3). A split covers ``cdiv(cdiv(context, splits), 64) * 64`` tokens, so at 1,152 tokens 16 splits
+leave 9 programs per KV head with two 64-token iterations each, and 32 leave 18 with one. Inside
+gpt-oss-120b's decode step (CUDA-graph replay, one H200) 32 splits took 28 µs per token less than 16, and 8
+took 50 µs more (``docs/benchmarks.md``, GPT-OSS item 15)."""
 
 
 def default_splits(num_kv_heads: int, batch: int) -> int:
-    """:data:`FEW_HEADS_SPLITS` when ``num_kv_heads * batch < 8``, else :data:`SPLITS`."""
-    return FEW_HEADS_SPLITS if num_kv_heads * batch < 8 else SPLITS
+    """:data:`FEW_HEADS_SPLITS` when ``num_kv_heads * batch <= 8``, else :data:`SPLITS`."""
+    return FEW_HEADS_SPLITS if num_kv_heads * batch <= 8 else SPLITS
 
 
 @triton.jit

@@ -45,10 +45,11 @@ def test_matches_reference(heads, kv_heads, head_dim, ctx, splits):
 
 @pytest.mark.parametrize("heads,kv_heads,ctx", [(9, 3, 600), (64, 8, 130)])
 def test_default_split_count(heads, kv_heads, ctx):
-    """Without ``num_splits``: 32 splits for SmolLM2's 3 KV heads at batch one, 16 for GPT-OSS's 8."""
+    """Without ``num_splits``: 32 splits at batch one (SmolLM2's 3 KV heads, GPT-OSS's 8), 16 once more than 8
+    (sequence, KV head) pairs share the launch."""
     from replicas.kernels.triton_decode_attention import default_splits
 
-    assert default_splits(kv_heads, 1) == (32 if kv_heads == 3 else 16) and default_splits(3, 4) == 16
+    assert default_splits(kv_heads, 1) == 32 and default_splits(3, 4) == 16 and default_splits(8, 2) == 16
     q, kp, vp, table, c = _case(heads, kv_heads, 64, ctx, seed=5)
     ws: dict = {}
     got = triton_decode_attention(q, kp, vp, table, c, 0.125, workspace=ws)
