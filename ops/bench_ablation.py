@@ -7,7 +7,9 @@ of a random gpt-oss model (as ``ops.bench_engine`` builds it) with one kernel cl
 fixed buffer, and times the replay against the full step, all on the same weights in one process.
 
 The outputs of a removed kernel are wrong by construction (zeros, or fixed expert ids), so only the
-timings mean anything; nothing here is a correctness check. CUDA only.
+timings mean anything; nothing here is a correctness check. The model's q/k/v projections are fused (as
+``ops.bench_engine`` builds it), so the qkv projection is one ``linear`` call that "no qkv GEMV" can
+replace. CUDA only.
 
 Usage (GPU): ``python -m ops.bench_ablation [--shape gpt-oss-120b] [--context 1152] [name ...]``
 (names: see ``--list``; default all).

@@ -194,7 +194,8 @@ def add_rmsnorm_route(x: torch.Tensor, delta: torch.Tensor, norm, router, mxfp4_
     """
     from replicas.kernels.static_decode import add_rmsnorm
 
-    if x.is_cuda and not torch.version.hip and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
+    if x.is_cuda and not torch.version.hip and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) \
+            and router.bias is not None and router.weight.is_contiguous():
         kernel = lazy_kernel("replicas.kernels.triton_router", "triton_add_rmsnorm_route")
         if kernel is not None:
             return kernel(x, delta, norm.weight, norm.eps, router.weight, router.bias, router.top_k,
