@@ -64,14 +64,6 @@ _SOURCE = r"""
 #define NT (32 * W)
 #define ROWS (16 * P)
 #define NS ((G + 3) / 4)
-#define ROW_BYTES (G * 16)
-#define SCALE_BYTES (((ROWS * G + 127) / 128) * 128)
-#define X_OFFSET (SCALE_BYTES + ROWS * ROW_BYTES)
-#define STAGE_BYTES (X_OFFSET + G * 64)
-#define SMEM_PAIRS 128
-#define SMEM_STAGES (SMEM_PAIRS + MAX_PAIRS * 12)
-#define SMEM_R (SMEM_STAGES + S * STAGE_BYTES)
-#define SMEM_ZERO (SMEM_R + 2 * W * ROWS * 4)
 
 __device__ __forceinline__ void mma_step(float& ca, float& cb, const U4& a, const U4& b, const u32* x) {
   asm(MMA_ASM
@@ -244,13 +236,28 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
 """
 
 
-def shared_bytes(g: int, warps: int, pairs: int, stages: int) -> int:
-    """Dynamic shared memory of one block (bytes): the stages' barriers, the pairs' expert ids and routing
-    weights, ``stages`` tiles of ``16 * pairs`` rows of ``g`` blocks (scales, 128-byte aligned, packed
-    bytes, the activation row), the per-warp row sums (two buffers), one block of zero activations."""
+def shared_layout(g: int, warps: int, pairs: int, stages: int) -> dict[str, int]:
+    """Byte offsets of one block's dynamic shared memory (its ``#define`` values), in order: the stages'
+    barriers from 0, the pairs' expert ids and routing weights (``SMEM_PAIRS``), ``stages`` tiles of ``16 *
+    pairs`` rows of ``g`` blocks (``SMEM_STAGES``, ``STAGE_BYTES`` each: scales, 128-byte aligned, then the
+    packed rows at ``SCALE_BYTES``, then the activation row at ``X_OFFSET``), the per-warp row sums, two
+    buffers (``SMEM_R``), one block of zero activations (``SMEM_ZERO``); ``SMEM_BYTES`` in all."""
     rows = 16 * pairs
-    stage = -(-rows * g // 128) * 128 + rows * g * BYTES_PER_BLOCK + g * 64
-    return 128 + MAX_PAIRS * 12 + stages * stage + 2 * warps * rows * 4 + 64
+    row_bytes = g * BYTES_PER_BLOCK
+    scale_bytes = -(-rows * g // 128) * 128
+    x_offset = scale_bytes + rows * row_bytes
+    stage_bytes = x_offset + g * 64
+    smem_stages = 128 + MAX_PAIRS * 12
+    smem_r = smem_stages + stages * stage_bytes
+    smem_zero = smem_r + 2 * warps * rows * 4
+    return {"ROW_BYTES": row_bytes, "SCALE_BYTES": scale_bytes, "X_OFFSET": x_offset, "STAGE_BYTES": stage_bytes,
+            "SMEM_PAIRS": 128, "SMEM_STAGES": smem_stages, "SMEM_R": smem_r, "SMEM_ZERO": smem_zero,
+            "SMEM_BYTES": smem_zero + 64}
+
+
+def shared_bytes(g: int, warps: int, pairs: int, stages: int) -> int:
+    """Dynamic shared memory of one block (bytes): :func:`shared_layout`'s ``SMEM_BYTES``."""
+    return shared_layout(g, warps, pairs, stages)["SMEM_BYTES"]
 
 
 def kernel_source(g: int, warps: int, pairs: int, stages: int, gate_up: bool, route_f32: bool,
@@ -262,6 +269,7 @@ def kernel_source(g: int, warps: int, pairs: int, stages: int, gate_up: bool, ro
     defines = {"G": g, "W": warps, "P": pairs, "S": stages, "GATE_UP": int(gate_up), "ROUTE_F32": int(route_f32),
                "MAX_PAIRS": MAX_PAIRS, "KERNEL_NAME": _name(gate_up),
                "X_SHIFT": X_SHIFT.value, "X_SCALE": f"{float(2 ** X_SHIFT.value)!r}f"}
+    defines |= shared_layout(g, warps, pairs, stages)
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += "#define MMA_ASM " + _c_string(mma_asm("%", chains=2, repacked=repacked)).replace("\n", " \\\n") + "\n"
     return head + CUDA_PRELUDE + _SOURCE

@@ -100,6 +100,12 @@ def test_cuda_source_uses_the_same_mma_step_and_fits_shared_memory():
     assert bulk.shared_bytes(90, 4, 1, 1) < 48 * 1024
     stage = 1536 + 16 * 90 * 16 + 90 * 64
     assert bulk.shared_bytes(90, 4, 1, 3) - bulk.shared_bytes(90, 4, 1, 1) == 2 * stage
+    # the kernel's offsets are the layout's; every region ends where the next begins, the zero block last
+    layout = bulk.shared_layout(90, 4, 1, 3)
+    src = bulk.kernel_source(90, 4, 1, 3, True, False)
+    assert all(f"#define {name} {value}\n" in src for name, value in layout.items())
+    assert layout["STAGE_BYTES"] == stage and layout["SMEM_STAGES"] == 128 + bulk.MAX_PAIRS * 12
+    assert layout["SMEM_ZERO"] == layout["SMEM_R"] + 2 * 4 * 16 * 4 == layout["SMEM_BYTES"] - 64
 
 
 def test_launch_structures_match_cuda_h():
