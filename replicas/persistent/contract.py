@@ -253,3 +253,59 @@ class PersistentBackend(abc.ABC):
             PrelaunchError: rejected before launch (cache untouched).
             BackendLaunchError: failed after launch (cache may have changed).
         """
+
+
+class PipelinedBackend(PersistentBackend):
+    """A backend that can queue the next quantum on the device before the host reads the current one.
+
+    Batch-one decode with one host synchronization per quantum leaves the GPU idle
+    while the host reads a quantum's tokens, streams them and prepares the next
+    launch (about 0.3-0.5 ms per quantum for gpt-oss-120b on an H200,
+    ``docs/benchmarks.md``). Like vLLM's asynchronous scheduling, the lane
+    instead launches quantum k+1 right behind quantum k, *before* collecting
+    k: k+1 *follows* k, i.e. it starts from the token and position k leaves on
+    the device, and counts nothing if k emitted a stop id. The caller predicts
+    k+1's request as if k emits all its tokens (``committed_kv_length`` =
+    k's + k's ``max_tokens``; its ``pending_token`` is unknown at launch and
+    ignored by the backend) and discards k+1 when k ends the request.
+
+    Life cycle: :meth:`launch_quantum` (``follows=False`` for the first quantum
+    and after every collected result that did not have a follower), at most
+    :data:`MAX_IN_FLIGHT` launched and not yet collected, :meth:`collect_quantum`
+    in launch order, :meth:`discard_quanta` before the request's pages are freed.
+    :meth:`run_quantum` is one launch and its collection.
+    """
+
+    MAX_IN_FLIGHT = 2
+
+    @abc.abstractmethod
+    def launch_quantum(self, req: QuantumRequest, follows: bool = False) -> None:
+        """Queue ``req`` on the device and return without waiting for it.
+
+        Args:
+            req: the quantum; with ``follows`` its ``pending_token`` is ignored (the device's is used).
+            follows: continue from the quantum launched just before (still in flight or collected).
+
+        Raises:
+            PrelaunchError: rejected before launch (nothing queued, cache untouched).
+            BackendLaunchError: the launch failed (cache may have changed).
+        """
+
+    @abc.abstractmethod
+    def collect_quantum(self) -> QuantumResult:
+        """Wait for the oldest launched quantum and return its result (a follower of a quantum that emitted a
+        stop id returns no tokens; the caller discards it instead).
+
+        Raises:
+            BackendLaunchError: it failed, or nothing is in flight.
+        """
+
+    @abc.abstractmethod
+    def discard_quanta(self) -> None:
+        """Wait for every launched quantum to finish and drop their results (their KV writes land in pages the
+        caller reserved for them; call this before freeing those pages)."""
+
+    def run_quantum(self, req: QuantumRequest) -> QuantumResult:
+        """One quantum: :meth:`launch_quantum` (not following) then :meth:`collect_quantum`."""
+        self.launch_quantum(req)
+        return self.collect_quantum()

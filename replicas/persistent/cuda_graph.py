@@ -7,7 +7,8 @@ planes. Inside a quantum everything stays on the device: the model's
 many tokens count (steps after a stop still run — graphs cannot branch — but
 are not counted, and their KV lands in pages already reserved for the
 quantum). One host synchronization per quantum reads back the tokens and the
-count.
+count; the lane queues the next quantum before it (:class:`~replicas.persistent.contract.PipelinedBackend`),
+so the GPU does not wait for the host between quanta.
 
 On a device without CUDA (or with ``use_graphs=False``) the same static body
 runs eagerly, which is how CPU tests check it against the ``eager`` backend.
@@ -15,16 +16,19 @@ runs eagerly, which is how CPU tests check it against the ``eager`` backend.
 
 from __future__ import annotations
 
+import os
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from policy import MAX_QUANTUM_TOKENS
 from replicas.kernels.paged_attention import PAGE_SIZE
+from replicas.kernels.triton_loader import lazy_kernel
 from replicas.persistent.contract import (
     BackendLaunchError,
     CacheBinding,
-    PersistentBackend,
+    PipelinedBackend,
     PrelaunchError,
     QuantumRequest,
     QuantumResult,
@@ -35,40 +39,96 @@ from replicas.persistent.contract import (
 MAX_STOP_IDS = 16
 """Stop ids the on-device check holds (a request with more is refused before launch)."""
 
+FUSED_EPILOGUE = os.environ.get("PERSISTENT_SERVE_FUSED_EPILOGUE", "1") != "0"
+"""On CUDA, each step's argmax and bookkeeping is one Triton launch (:mod:`replicas.kernels.triton_greedy`);
+``PERSISTENT_SERVE_FUSED_EPILOGUE=0`` (or False here before a backend is built) uses the torch ops."""
+
 
 @dataclass
 class QuantumBuffers:
-    """Static device tensors a captured quantum reads and writes.
+    """Static device tensors a captured quantum reads and writes: views of two int64 buffers, so that one
+    host-to-device copy stages a launch and one device-to-host copy reads it back.
 
-    Attributes:
-        token: ``[1]`` int64 pending token, advanced each step.
-        position: ``[1]`` int64 its position (committed KV length), advanced each step.
-        block_table: ``[max_blocks]`` int64 page ids (padded with page 0).
-        stop_ids: ``[MAX_STOP_IDS]`` int64, padded with -1.
-        out_tokens: ``[8]`` int64 tokens sampled by each step.
-        count: ``[1]`` int64 tokens that count (up to and including the first stop).
-        alive: ``[1]`` bool, no stop seen yet.
+    ``state`` (``[3 + MAX_STOP_IDS + max_blocks]``, written by the host before a launch):
+
+    - ``token``: ``[1]`` pending token, advanced each step;
+    - ``position``: ``[1]`` its position (committed KV length), advanced each step;
+    - ``alive``: ``[1]`` 1 until a stop id is sampled, then 0;
+    - ``stop_ids``: ``[MAX_STOP_IDS]`` padded with -1;
+    - ``block_table``: ``[max_blocks]`` page ids (padded with page 0).
+
+    ``out`` (``[MAX_QUANTUM_TOKENS + 1]``, read back after a quantum): ``out_tokens`` (``[8]``, the token
+    each step sampled) and ``count`` (``[1]``, tokens that count: up to and including the first stop).
     """
 
-    token: torch.Tensor
-    position: torch.Tensor
-    block_table: torch.Tensor
-    stop_ids: torch.Tensor
-    out_tokens: torch.Tensor
-    count: torch.Tensor
-    alive: torch.Tensor
+    state: torch.Tensor
+    out: torch.Tensor
+
+    TABLE = 3 + MAX_STOP_IDS
+    """Offset of ``block_table`` in ``state``: a following launch stages ``state[TABLE - MAX_STOP_IDS:]``."""
 
     @classmethod
     def allocate(cls, max_blocks: int, device: torch.device) -> QuantumBuffers:
-        def z(n, dtype=torch.long):
-            return torch.zeros(n, dtype=dtype, device=device)
+        return cls(torch.zeros(cls.TABLE + max_blocks, dtype=torch.long, device=device),
+                   torch.zeros(MAX_QUANTUM_TOKENS + 1, dtype=torch.long, device=device))
 
-        return cls(z(1), z(1), z(max_blocks), torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, device=device),
-                   z(MAX_QUANTUM_TOKENS), z(1), torch.ones(1, dtype=torch.bool, device=device))
+    @property
+    def token(self) -> torch.Tensor:
+        return self.state[0:1]
+
+    @property
+    def position(self) -> torch.Tensor:
+        return self.state[1:2]
+
+    @property
+    def alive(self) -> torch.Tensor:
+        return self.state[2:3]
+
+    @property
+    def stop_ids(self) -> torch.Tensor:
+        return self.state[3:self.TABLE]
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        return self.state[self.TABLE:]
+
+    @property
+    def out_tokens(self) -> torch.Tensor:
+        return self.out[:MAX_QUANTUM_TOKENS]
+
+    @property
+    def count(self) -> torch.Tensor:
+        return self.out[MAX_QUANTUM_TOKENS:]
 
 
-class CudaGraphBackend(PersistentBackend):
-    """Greedy quanta replayed from CUDA graphs over the bound KV cache.
+def greedy_step_reference(logits: torch.Tensor, state: torch.Tensor, out: torch.Tensor, step: int,
+                          max_stop: int) -> None:
+    """One greedy step's epilogue in torch ops (what :func:`replicas.kernels.triton_greedy.greedy_step` does in
+    one launch): ``out[step] = argmax(logits)``, the count (``out[-1]``, zeroed at step 0) ``+= alive``,
+    ``alive = 0`` on a stop id, ``state[0] = token``, ``state[1] += 1``. Shapes as :class:`QuantumBuffers`."""
+    q = out.numel() - 1
+    nxt = logits.argmax(-1)  # [1]
+    token, position, alive, stop_ids = state[0:1], state[1:2], state[2:3], state[3:3 + max_stop]
+    out[step:step + 1].copy_(nxt)
+    if step == 0:
+        out[q:].zero_()
+    out[q:].add_(alive)
+    alive.mul_((nxt.view(1, 1) != stop_ids.view(1, -1)).all(-1))
+    token.copy_(nxt)
+    position.add_(1)
+
+
+class CudaGraphBackend(PipelinedBackend):
+    """Greedy quanta replayed from CUDA graphs over the bound KV cache, pipelined (see
+    :class:`~replicas.persistent.contract.PipelinedBackend`).
+
+    A launch writes its inputs into one of two pinned host buffers, queues one
+    asynchronous copy of them into :class:`QuantumBuffers` ``state`` (a
+    following launch copies only the stop ids and block table: its token and
+    position are the ones the quantum before left on the device), replays the
+    quantum's graph, queues one asynchronous copy of ``out`` into a pinned
+    host buffer and records an event. Collecting waits on that event. Two
+    slots of each, so quantum k+1 can be queued while k is still running.
 
     Args:
         model: a model with ``decode_static(token, position, block_table, kv_planes) -> [1, vocab]``.
@@ -100,6 +160,16 @@ class CudaGraphBackend(PersistentBackend):
         self._step = model.decode_static
         self.max_blocks = -(-max_model_len // PAGE_SIZE)
         self.buffers = QuantumBuffers.allocate(self.max_blocks, self.device)
+        pin = self.device.type == "cuda"
+        self._staging = torch.zeros(self.MAX_IN_FLIGHT, self.buffers.state.numel(), dtype=torch.long, pin_memory=pin)
+        self._readback = torch.zeros(self.MAX_IN_FLIGHT, self.buffers.out.numel(), dtype=torch.long, pin_memory=pin)
+        self._stage_np = self._staging.numpy()  # element writes through numpy: far cheaper than torch indexing
+        self._done = [torch.cuda.Event() if pin else None for _ in range(self.MAX_IN_FLIGHT)]
+        self._in_flight: deque[tuple[int, QuantumRequest]] = deque()
+        self._launches = 0
+        self._fused_epilogue = lazy_kernel("replicas.kernels.triton_greedy", "greedy_step") \
+            if FUSED_EPILOGUE and self.device.type == "cuda" else None
+        self._workspace: dict = {}
         self._planes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.kernel_launches_per_quantum: dict[int, int] = {}
@@ -115,12 +185,10 @@ class CudaGraphBackend(PersistentBackend):
         b = self.buffers
         for s in range(steps):
             logits = self._step(b.token, b.position, b.block_table, self._planes)
-            nxt = logits.argmax(-1)  # [1]
-            b.out_tokens[s:s + 1].copy_(nxt)
-            b.count.add_(b.alive.long())
-            b.alive.logical_and_((nxt.view(1, 1) != b.stop_ids.view(1, -1)).all(-1))
-            b.token.copy_(nxt)
-            b.position.add_(1)
+            if self._fused_epilogue:  # argmax, stop check and bookkeeping: one launch instead of eight
+                self._fused_epilogue(logits, b.state, b.out, s, MAX_STOP_IDS, self._workspace)
+            else:
+                greedy_step_reference(logits, b.state, b.out, s, MAX_STOP_IDS)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -142,42 +210,80 @@ class CudaGraphBackend(PersistentBackend):
             self._graphs[steps] = graph
         torch.cuda.synchronize(self.device)
 
-    @torch.inference_mode()
-    def run_quantum(self, req: QuantumRequest) -> QuantumResult:
+    def _check(self, req: QuantumRequest) -> None:
         check_launchable(req, self._planes is not None)
-        stop = req.stop_set
-        if len(stop) > MAX_STOP_IDS:
-            raise PrelaunchError(f"{len(stop)} stop ids; the on-device check holds {MAX_STOP_IDS}", "unsupported_envelope")
+        if len(req.stop_set) > MAX_STOP_IDS:
+            raise PrelaunchError(f"{len(req.stop_set)} stop ids; the on-device check holds {MAX_STOP_IDS}",
+                                 "unsupported_envelope")
         pages = req.full_block_map.numel()
         if pages > self.max_blocks:
-            raise PrelaunchError(f"block map of {pages} pages exceeds the captured {self.max_blocks}", "max_sequence_length")
-        b = self.buffers
-        host = torch.zeros(3 + self.max_blocks + MAX_STOP_IDS, dtype=torch.long)
-        host[0], host[1] = req.pending_token, req.committed_kv_length
-        host[2] = 1  # alive
-        host[3:3 + pages] = req.full_block_map.to(torch.long)
-        host[3 + self.max_blocks:3 + self.max_blocks + MAX_STOP_IDS] = -1
-        if stop:
-            host[3 + self.max_blocks:3 + self.max_blocks + len(stop)] = torch.tensor(stop, dtype=torch.long)
+            raise PrelaunchError(f"block map of {pages} pages exceeds the captured {self.max_blocks}",
+                                 "max_sequence_length")
+        if len(self._in_flight) >= self.MAX_IN_FLIGHT:
+            raise PrelaunchError(f"{len(self._in_flight)} quanta already in flight", "queued_work")
+
+    @torch.inference_mode()
+    def launch_quantum(self, req: QuantumRequest, follows: bool = False) -> None:
+        """Queue ``req`` (see :class:`~replicas.persistent.contract.PipelinedBackend`).
+
+        Raises:
+            PrelaunchError: cache unbound, invalid or cancelled request, more than :data:`MAX_STOP_IDS` stop
+                ids, a block map longer than the captured one, or two quanta already in flight.
+            BackendLaunchError: the copies or the graph replay failed.
+        """
+        self._check(req)
+        if follows and not self._launches:
+            raise PrelaunchError("a following quantum needs one launched before it", "unsupported_envelope")
+        slot = self._launches % self.MAX_IN_FLIGHT
+        b, stage = self.buffers, self._stage_np[slot]
+        stop, pages = req.stop_set, req.full_block_map.numel()
+        stage[0], stage[1], stage[2] = req.pending_token, req.committed_kv_length, 1
+        stage[3:b.TABLE] = -1
+        stage[3:3 + len(stop)] = stop
+        stage[b.TABLE:b.TABLE + pages] = req.full_block_map.cpu().numpy()
+        stage[b.TABLE + pages:] = 0
+        first = 3 if follows else 0  # a follower keeps the token, position and alive flag on the device
         try:
-            staged = host.to(self.device, non_blocking=False)
-            b.token.copy_(staged[0:1])
-            b.position.copy_(staged[1:2])
-            b.alive.copy_(staged[2:3].bool())
-            b.count.zero_()
-            b.block_table.copy_(staged[3:3 + self.max_blocks])
-            b.stop_ids.copy_(staged[3 + self.max_blocks:])
+            b.state[first:].copy_(self._staging[slot, first:], non_blocking=True)
             if self.use_graphs:
                 self._graphs[req.max_tokens].replay()
             else:
                 self._body(req.max_tokens)
-            result = torch.cat([b.out_tokens, b.count]).tolist()  # the quantum's one host sync
+            self._readback[slot].copy_(b.out, non_blocking=True)
+            if self._done[slot] is not None:
+                self._done[slot].record()
         except Exception as exc:  # noqa: BLE001 - after launch the cache may have changed: terminal
             raise BackendLaunchError(f"cuda_graph quantum failed: {exc}") from exc
+        self._launches += 1
+        self._in_flight.append((slot, req))
+
+    def collect_quantum(self) -> QuantumResult:
+        """The oldest launched quantum's result (one host synchronization).
+
+        Raises:
+            BackendLaunchError: nothing in flight, or the device reported an error.
+        """
+        if not self._in_flight:
+            raise BackendLaunchError("no quantum in flight")
+        slot, req = self._in_flight.popleft()
+        try:
+            if self._done[slot] is not None:
+                self._done[slot].synchronize()
+            result = self._readback[slot].tolist()
+        except Exception as exc:  # noqa: BLE001
+            raise BackendLaunchError(f"cuda_graph quantum failed: {exc}") from exc
         count = int(result[-1])
-        emitted = [int(t) for t in result[:count]]
-        hit_stop = bool(stop) and emitted and emitted[-1] in stop
+        emitted = result[:count]
+        stop = req.stop_set
+        hit_stop = bool(stop) and bool(emitted) and emitted[-1] in stop
         committed = req.committed_kv_length + count
         finish = "eos" if hit_stop else (
             "max_sequence_length" if committed >= req.max_sequence_length else "max_tokens")
         return QuantumResult(finish, emitted, committed, emitted[-1] if emitted else req.pending_token, count)
+
+    def discard_quanta(self) -> None:
+        """Wait for the quanta in flight and drop their results."""
+        while self._in_flight:
+            slot, _ = self._in_flight.popleft()
+            if self._done[slot] is not None:
+                self._done[slot].synchronize()

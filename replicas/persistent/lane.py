@@ -15,9 +15,11 @@ and marks the decoder unhealthy.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -29,6 +31,7 @@ from replicas.persistent.contract import (
     BackendLaunchError,
     CacheBinding,
     PersistentBackend,
+    PipelinedBackend,
     PrelaunchError,
     QuantumRequest,
     validate_result,
@@ -38,6 +41,10 @@ from replicas.request import FinishReason, Request
 from replicas.stops import check_stop
 
 LANE = "persistent"
+
+PIPELINE = os.environ.get("PERSISTENT_SERVE_PIPELINE", "1") != "0"
+"""Launch each quantum behind the one being read when the backend can (:class:`PipelinedBackend`);
+``PERSISTENT_SERVE_PIPELINE=0`` (or False here) runs one quantum at a time."""
 
 
 class PersistentLane:
@@ -125,53 +132,118 @@ class PersistentLane:
         yield chunk
         fallback: str | None = None
         fallback_reported = False
-        while chunk.finish_reason is None:
-            if cancel is not None and cancel.is_set():
-                yield self._chunk(req, [], "", FinishReason.ABORT)
-                return
-            size = quantum_size(
-                req.remaining_output_tokens, core.config.max_model_len, req.num_computed_tokens,
-                num_eos_ids=len(self._stop_ids(req)),
-                device_checks_stop_set=self.backend.checks_stop_set_on_device,
-            )
-            if not core.allocator.can_grow(req.block_table, req.num_computed_tokens + size):
-                yield GenerationError(req.request_id, "out of KV pages mid-request", LANE, stage="prelaunch",
-                                      reason="persistent_capacity")
-                return
-            core.allocator.grow(req.block_table, req.num_computed_tokens + size)
-            qreq = self._quantum_request(req, size, cancel)
-            backend = self._reference if fallback else self.backend
-            start_ns = time.time_ns()
-            try:
-                result = backend.run_quantum(qreq)
-                validate_result(qreq, result)
-            except Exception as exc:
+        ahead: tuple[QuantumRequest, int] | None = None  # a quantum launched behind the one being collected
+        try:
+            while chunk.finish_reason is None:
+                if cancel is not None and cancel.is_set():
+                    yield self._chunk(req, [], "", FinishReason.ABORT)
+                    return
+                backend = self._reference if fallback else self.backend
+                pipelined = PIPELINE and isinstance(backend, PipelinedBackend)
+                if ahead is not None:
+                    (qreq, start_ns), ahead = ahead, None
+                else:
+                    qreq = self._reserve(req, req.num_computed_tokens, req.remaining_output_tokens,
+                                         req.output_token_ids[-1], cancel)
+                    if qreq is None:
+                        yield GenerationError(req.request_id, "out of KV pages mid-request", LANE,
+                                              stage="prelaunch", reason="persistent_capacity")
+                        return
+                    start_ns = time.time_ns()
+                    try:
+                        if pipelined:
+                            backend.launch_quantum(qreq)
+                            result = None
+                        else:
+                            result = backend.run_quantum(qreq)
+                    except PrelaunchError as exc:
+                        if telemetry is not None:
+                            telemetry.quantum(qreq.max_tokens, 0, None, start_ns, time.time_ns(),
+                                              backend=backend.name, error=exc.reason)
+                        if fallback:  # the reference path rejected too: nothing more to try
+                            yield GenerationError(req.request_id, str(exc), LANE, stage="prelaunch", reason=exc.reason)
+                            return
+                        fallback = exc.reason
+                        if self._reference is None:
+                            self._reference = EagerBackend(core.model, core.runner.device)
+                            self._reference.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
+                        continue
+                    except Exception as exc:  # noqa: BLE001 - failed after launch: terminal
+                        yield self._terminal(req, backend, qreq, exc, start_ns, telemetry)
+                        return
+                if pipelined:
+                    ahead = self._launch_follower(req, backend, qreq, cancel)
+                    try:
+                        result = backend.collect_quantum()
+                    except Exception as exc:  # noqa: BLE001
+                        yield self._terminal(req, backend, qreq, exc, start_ns, telemetry)
+                        return
+                try:
+                    validate_result(qreq, result)
+                except Exception as exc:  # noqa: BLE001
+                    yield self._terminal(req, backend, qreq, exc, start_ns, telemetry)
+                    return
                 if telemetry is not None:
-                    telemetry.quantum(size, 0, None, start_ns, time.time_ns(), backend=backend.name,
-                                      error=getattr(exc, "reason", type(exc).__name__))
-                if not isinstance(exc, PrelaunchError):
-                    # BackendLaunchError, invalid result, or a bug: terminal, decoder unhealthy
+                    telemetry.quantum(qreq.max_tokens, len(result.emitted_tokens), result.finish_reason, start_ns,
+                                      time.time_ns(), backend=backend.name)
+                self.quanta_run += 1
+                req.num_computed_tokens = result.committed_kv_length
+                if ahead is not None:  # it started from this result's last token
+                    ahead = (replace(ahead[0], pending_token=result.pending_token), ahead[1])
+                chunk = self._emit(req, detok, result.emitted_tokens)
+                if fallback and not fallback_reported:
+                    chunk.fallback_reason, fallback_reported = fallback, True
+                yield chunk
+        finally:
+            if isinstance(self.backend, PipelinedBackend):
+                try:
+                    self.backend.discard_quanta()  # a follower still running: before generate() frees its pages
+                except Exception as exc:  # noqa: BLE001 - the device failed: no more quanta on this decoder
                     self.unhealthy_reason = getattr(exc, "reason", BackendLaunchError.reason)
-                    yield GenerationError(req.request_id, f"persistent decoder failed after launch: {exc}", LANE,
-                                          stage="postlaunch", reason=self.unhealthy_reason)
-                    return
-                if fallback:  # the reference path rejected too: nothing more to try
-                    yield GenerationError(req.request_id, str(exc), LANE, stage="prelaunch", reason=exc.reason)
-                    return
-                fallback = exc.reason
-                if self._reference is None:
-                    self._reference = EagerBackend(core.model, core.runner.device)
-                    self._reference.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
-                continue
-            if telemetry is not None:
-                telemetry.quantum(size, len(result.emitted_tokens), result.finish_reason, start_ns, time.time_ns(),
-                                  backend=backend.name)
-            self.quanta_run += 1
-            req.num_computed_tokens = result.committed_kv_length
-            chunk = self._emit(req, detok, result.emitted_tokens)
-            if fallback and not fallback_reported:
-                chunk.fallback_reason, fallback_reported = fallback, True
-            yield chunk
+
+    def _reserve(self, req: Request, committed: int, remaining: int, pending: int, cancel) -> QuantumRequest | None:
+        """Size the quantum that starts at ``committed`` with ``remaining`` tokens to go, reserve its pages,
+        and build its request; None when the pages are not there."""
+        core = self.core
+        size = quantum_size(
+            remaining, core.config.max_model_len, committed,
+            num_eos_ids=len(self._stop_ids(req)),
+            device_checks_stop_set=self.backend.checks_stop_set_on_device,
+        )
+        if not core.allocator.can_grow(req.block_table, committed + size):
+            return None
+        core.allocator.grow(req.block_table, committed + size)
+        return self._quantum_request(req, pending, committed, size, cancel)
+
+    def _launch_follower(self, req: Request, backend: PipelinedBackend, qreq: QuantumRequest,
+                         cancel) -> tuple[QuantumRequest, int] | None:
+        """Queue the quantum after ``qreq`` (still running) as if ``qreq`` emits all its tokens; None when
+        nothing would follow (the request ends with ``qreq``, pages are short, or the backend refuses)."""
+        remaining = req.remaining_output_tokens - qreq.max_tokens
+        committed = qreq.committed_kv_length + qreq.max_tokens
+        if remaining <= 0 or committed >= self.core.config.max_model_len - 1:
+            return None
+        if cancel is not None and cancel.is_set():
+            return None
+        nxt = self._reserve(req, committed, remaining, qreq.pending_token, cancel)
+        if nxt is None:
+            return None
+        start_ns = time.time_ns()
+        try:
+            backend.launch_quantum(nxt, True)
+        except PrelaunchError:
+            return None  # run it unchained once this one is read (it may fall back then)
+        return nxt, start_ns
+
+    def _terminal(self, req: Request, backend: PersistentBackend, qreq: QuantumRequest, exc: Exception,
+                  start_ns: int, telemetry) -> GenerationError:
+        """A failure after launch (or an invalid result): the decoder is marked unhealthy, the request ends."""
+        if telemetry is not None:
+            telemetry.quantum(qreq.max_tokens, 0, None, start_ns, time.time_ns(), backend=backend.name,
+                              error=getattr(exc, "reason", type(exc).__name__))
+        self.unhealthy_reason = getattr(exc, "reason", BackendLaunchError.reason)
+        return GenerationError(req.request_id, f"persistent decoder failed after launch: {exc}", LANE,
+                               stage="postlaunch", reason=self.unhealthy_reason)
 
     def _stop_ids(self, req: Request) -> frozenset[int]:
         ids = set(req.params.stop_token_ids)
@@ -179,12 +251,12 @@ class PersistentLane:
             ids |= self.core.eos_token_ids
         return frozenset(ids)
 
-    def _quantum_request(self, req: Request, size: int, cancel) -> QuantumRequest:
+    def _quantum_request(self, req: Request, pending: int, committed: int, size: int, cancel) -> QuantumRequest:
         stop_ids = self._stop_ids(req)
         eos = min(self.core.eos_token_ids) if self.core.eos_token_ids else -1
         return QuantumRequest(
-            pending_token=req.output_token_ids[-1],
-            committed_kv_length=req.num_computed_tokens,
+            pending_token=pending,
+            committed_kv_length=committed,
             max_sequence_length=self.core.config.max_model_len,
             max_tokens=size,
             eos_token_id=eos,

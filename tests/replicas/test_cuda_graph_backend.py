@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from replicas.messages import GenerateRequest
-from replicas.persistent.contract import CacheBinding, PrelaunchError
+from replicas.persistent.contract import BackendLaunchError, CacheBinding, PrelaunchError
 from replicas.persistent.cuda_graph import CudaGraphBackend
 from replicas.persistent.eager import EagerBackend
 from replicas.persistent.lane import PersistentLane
@@ -61,3 +61,102 @@ def test_too_long_block_map_is_refused_before_launch(core):
                          eos_token_id=2, ignore_eos=True, full_block_map=torch.arange(5, dtype=torch.int32))
     with pytest.raises(PrelaunchError, match="exceeds"):
         backend.run_quantum(req)
+
+
+def _quantum(core, pending: int, committed: int, size: int, pages: list[int], stop=()):
+    import torch
+
+    from replicas.persistent.contract import QuantumRequest
+
+    return QuantumRequest(pending_token=pending, committed_kv_length=committed,
+                          max_sequence_length=core.config.max_model_len, max_tokens=size, eos_token_id=-1,
+                          ignore_eos=not stop, full_block_map=torch.tensor(pages, dtype=torch.int32),
+                          stop_token_ids=tuple(stop))
+
+
+def _prefilled(core, tokenizer, new_pages: int):
+    """A prompt prefilled through the engine's runner; returns (request, first token, its pages)."""
+    from replicas.request import Request
+
+    req = Request("p", chat_ids(tokenizer, PROMPTS[1]), SamplingParams(max_tokens=32, temperature=0.0))
+    n = req.num_prompt_tokens
+    core.allocator.grow(req.block_table, n + new_pages * 16)
+    logits = core.runner.execute([(req, n)])
+    req.num_computed_tokens = n
+    return req, int(logits[0].argmax()), list(req.block_table)
+
+
+def test_a_following_quantum_continues_from_the_device_state(core, tokenizer):
+    """Quantum k+1 launched behind quantum k (``follows=True``, with a wrong pending token the backend must
+    ignore) gives the tokens that one 8-step quantum run after k gives."""
+    backend = CudaGraphBackend(core.model, "cpu", core.config.max_model_len)
+    backend.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
+    req, first, pages = _prefilled(core, tokenizer, new_pages=2)
+    n = req.num_prompt_tokens
+    try:
+        whole = backend.run_quantum(_quantum(core, first, n, 8, pages)).emitted_tokens
+        whole += backend.run_quantum(_quantum(core, whole[-1], n + 8, 8, pages)).emitted_tokens
+        backend.launch_quantum(_quantum(core, first, n, 8, pages))
+        backend.launch_quantum(_quantum(core, 12345, n + 8, 8, pages), follows=True)
+        with pytest.raises(PrelaunchError, match="in flight"):
+            backend.launch_quantum(_quantum(core, first, n, 1, pages))
+        a, b = backend.collect_quantum(), backend.collect_quantum()
+        assert a.emitted_tokens + b.emitted_tokens == whole
+        assert b.committed_kv_length == n + 16
+        # after a stop, the follower counts nothing
+        stop = whole[2]
+        backend.launch_quantum(_quantum(core, first, n, 8, pages, stop=(stop,)))
+        backend.launch_quantum(_quantum(core, 0, n + 8, 8, pages, stop=(stop,)), follows=True)
+        a, b = backend.collect_quantum(), backend.collect_quantum()
+        assert a.emitted_tokens == whole[:3] and a.finish_reason == "eos"
+        assert b.emitted_tokens == []
+        with pytest.raises(BackendLaunchError, match="no quantum in flight"):
+            backend.collect_quantum()
+    finally:
+        backend.discard_quanta()
+        core.allocator.release(req.block_table)
+    assert_pool_full(core)
+
+
+def test_a_following_quantum_needs_one_before_it(core):
+    backend = CudaGraphBackend(core.model, "cpu", core.config.max_model_len)
+    backend.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
+    with pytest.raises(PrelaunchError, match="needs one launched before it"):
+        backend.launch_quantum(_quantum(core, 1, 16, 2, [0, 1]), follows=True)
+
+
+def test_the_lane_launches_each_quantum_behind_the_one_it_reads(core, tokenizer):
+    """Through the lane: every quantum after the first is launched as a follower, the tokens equal the eager
+    backend's, a stop inside a quantum drops the follower, and a cancel mid-request frees every page."""
+    import threading
+
+    ids = chat_ids(tokenizer, PROMPTS[0])
+    params = SamplingParams(max_tokens=27, temperature=0.0, ignore_eos=True)
+    greedy = tokens_of(_run(PersistentLane(core, EagerBackend(core.model, "cpu")), ids, params))
+    backend = CudaGraphBackend(core.model, "cpu", core.config.max_model_len)
+    follows = []
+    launch = backend.launch_quantum
+
+    def recording_launch(req, follows_previous=False):
+        follows.append(follows_previous)
+        launch(req, follows_previous)
+
+    backend.launch_quantum = recording_launch
+    lane = PersistentLane(core, backend)
+    out = _run(lane, ids, params)
+    assert tokens_of(out) == greedy
+    assert follows == [False, True, True, True]  # 26 tokens after the prefill token: 8 + 8 + 8 + 2
+    follows.clear()
+    stop = greedy[10]  # inside the second quantum, while the third runs behind it
+    out = _run(lane, ids, SamplingParams(max_tokens=27, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,)))
+    assert tokens_of(out) == greedy[:11] and out[-1].finish_reason == "stop"
+    assert follows == [False, True, True] and not backend._in_flight
+    assert_pool_full(core)
+    cancel = threading.Event()
+    chunks = []
+    for chunk in lane.generate(GenerateRequest("c", list(ids), params), cancel=cancel):
+        chunks.append(chunk)
+        if len(chunks) == 2:
+            cancel.set()
+    assert chunks[-1].finish_reason == "abort" and not backend._in_flight
+    assert_pool_full(core)
