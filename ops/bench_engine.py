@@ -472,6 +472,12 @@ VARIANT_KNOBS = {
     "tc": ("replicas.kernels.triton_moe_tc", "TILE_OVERRIDES", _tiles),
     "bulk": ("replicas.kernels.cuda_moe_bulk", "TILE_OVERRIDES", _tiles),
     "repack": ("replicas.kernels.moe", "REPACK", lambda v: v == "1"),
+    "window1": ("replicas.kernels.triton_decode_attention", "ONE_PASS_WINDOW", int),
+    "w1block": ("replicas.kernels.triton_decode_attention", "ONE_PASS_BLOCK", int),
+    "w1warps": ("replicas.kernels.triton_decode_attention", "ONE_PASS_WARPS", int),
+    "gemv_ahead": ("replicas.kernels.triton_gemv", "TILES_AHEAD", int),
+    "epilogue": ("replicas.persistent.cuda_graph", "FUSED_EPILOGUE", lambda v: v == "1"),
+    "pipeline": ("replicas.persistent.lane", "PIPELINE", lambda v: v == "1"),
 }
 """``--variants`` settings: name → (module, attribute, parser of the value). Each is read when a decode step
 is captured, so one process can time several settings on the same weights."""

@@ -39,8 +39,24 @@ gpt-oss-120b's decode step (CUDA-graph replay, one H200) 32 splits took 28 µs p
 took 50 µs more (``docs/benchmarks.md``, GPT-OSS item 15)."""
 
 
-def default_splits(num_kv_heads: int, batch: int) -> int:
-    """:data:`FEW_HEADS_SPLITS` when ``num_kv_heads * batch <= 8``, else :data:`SPLITS`."""
+ONE_PASS_WINDOW = 128
+"""Sliding windows up to this many tokens take one program per (sequence, KV head) that also normalizes and
+writes the output (no merge launch): gpt-oss's 128-token window is two 64-token iterations, while split
+across programs it left all but two of 32 splits empty and still paid the merge launch. 0 turns it off."""
+
+
+ONE_PASS_BLOCK = 64
+"""Keys per iteration of the one-pass (windowed) launch."""
+
+ONE_PASS_WARPS = 4
+"""Warps per program of the one-pass (windowed) launch."""
+
+
+def default_splits(num_kv_heads: int, batch: int, sliding_window: int | None = None) -> int:
+    """1 for a sliding window of at most :data:`ONE_PASS_WINDOW` tokens; else :data:`FEW_HEADS_SPLITS` when
+    ``num_kv_heads * batch <= 8``, else :data:`SPLITS`."""
+    if sliding_window is not None and 0 < sliding_window <= ONE_PASS_WINDOW:
+        return 1
     return FEW_HEADS_SPLITS if num_kv_heads * batch <= 8 else SPLITS
 
 
@@ -50,7 +66,10 @@ def _split_kernel(
     scale, stride_kb, stride_kt, stride_kh, num_splits, window, stride_tb, num_kvh, stride_ctx,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    sinks_ptr=None, out_ptr=None, FINAL: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):
+    """Grid ``(KVH, splits, B)``. With ``FINAL`` (one split) the program applies the sinks and writes the
+    output itself, as :func:`_merge_kernel` would from one partial."""
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)
@@ -89,10 +108,24 @@ def _split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    out_row = ((seq * num_kvh + kvh) * num_splits + split) * GP + offs_g
-    tl.store(part_m_ptr + out_row, m_i)
-    tl.store(part_l_ptr + out_row, l_i)
-    tl.store(part_o_ptr + out_row[:, None] * D + offs_d[None, :], acc)
+    if FINAL:
+        m_all = m_i
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + kvh * G + offs_g, mask=g_mask, other=0.0).to(tl.float32)
+            m_all = tl.maximum(m_all, sink)
+        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        w = tl.exp(m_i - m_safe)
+        denom = l_i * w
+        if HAS_SINKS:
+            denom += tl.exp(sink - m_safe)
+        out = tl.where(denom[:, None] > 0, acc * (w / denom)[:, None], 0.0)  # a padding row (no keys) gives 0
+        dst = out_ptr + (seq * num_kvh * G + kvh * G + offs_g)[:, None] * D + offs_d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        out_row = ((seq * num_kvh + kvh) * num_splits + split) * GP + offs_g
+        tl.store(part_m_ptr + out_row, m_i)
+        tl.store(part_l_ptr + out_row, l_i)
+        tl.store(part_o_ptr + out_row[:, None] * D + offs_d[None, :], acc)
 
 
 @triton.jit
@@ -141,7 +174,8 @@ def triton_decode_attention(
         key_plane, value_plane: ``[num_blocks, PAGE_SIZE, KVH, D]``, contiguous in the last two dims.
         block_table: ``[B, max_blocks]`` (or ``[max_blocks]`` for ``B = 1``) int64 page ids;
             context_len: ``[B]`` int64 (on the device; 0 marks a padding row, whose output is 0).
-        num_splits: programs per KV head along the context (split-K); None: :func:`default_splits`.
+        num_splits: programs per KV head along the context (split-K; 1: no merge launch); None:
+            :func:`default_splits`.
         workspace: optional dict reused across calls for the partial buffers (keeps a
             captured graph's allocations fixed).
 
@@ -151,9 +185,21 @@ def triton_decode_attention(
     batch, num_heads, head_dim = query.shape
     block_table = block_table.view(batch, -1) if block_table.dim() == 1 else block_table
     kvh = key_plane.shape[2]
-    num_splits = num_splits or default_splits(kvh, batch)
+    num_splits = num_splits or default_splits(kvh, batch, sliding_window)
     group = num_heads // kvh
     gp = max(16, triton.next_power_of_2(group))
+    out = torch.empty_like(query)
+    q = query.contiguous()
+    common = dict(G=group, GP=gp, D=head_dim, PAGE=PAGE_SIZE, HAS_WINDOW=sliding_window is not None,
+                  PRECISION="ieee" if query.dtype == torch.float32 else None, **pdl_args(q))
+    args = (q, key_plane, value_plane, block_table, context_len)
+    strides = (scale, key_plane.stride(0), key_plane.stride(1), key_plane.stride(2), num_splits,
+               sliding_window or 0, block_table.stride(0), kvh, context_len.stride(0))
+    if num_splits == 1:  # the one program per KV head normalizes and writes the output
+        _split_kernel[(kvh, 1, batch)](*args, q, q, q, *strides, sinks_ptr=sinks if sinks is not None else q,
+                                       out_ptr=out, FINAL=True, HAS_SINKS=sinks is not None, BLOCK=ONE_PASS_BLOCK,
+                                       num_warps=ONE_PASS_WARPS, **common)
+        return out
     ws = workspace if workspace is not None else {}
     key = (batch, kvh, num_splits, gp, head_dim, query.device)
     if ws.get("key") != key:
@@ -162,15 +208,8 @@ def triton_decode_attention(
                   m=torch.empty(rows, dtype=torch.float32, device=query.device),
                   l=torch.empty(rows, dtype=torch.float32, device=query.device),
                   o=torch.empty(rows, head_dim, dtype=torch.float32, device=query.device))
-    out = torch.empty_like(query)
-    q = query.contiguous()
-    _split_kernel[(kvh, num_splits, batch)](
-        q, key_plane, value_plane, block_table, context_len, ws["m"], ws["l"], ws["o"],
-        scale, key_plane.stride(0), key_plane.stride(1), key_plane.stride(2), num_splits,
-        sliding_window or 0, block_table.stride(0), kvh, context_len.stride(0),
-        G=group, GP=gp, D=head_dim, PAGE=PAGE_SIZE, BLOCK=TOKENS_PER_ITER, HAS_WINDOW=sliding_window is not None,
-        PRECISION="ieee" if query.dtype == torch.float32 else None, **pdl_args(q),
-    )
+    _split_kernel[(kvh, num_splits, batch)](*args, ws["m"], ws["l"], ws["o"], *strides, BLOCK=TOKENS_PER_ITER,
+                                            **common)
     _merge_kernel[(kvh, group, batch)](
         ws["m"], ws["l"], ws["o"], sinks if sinks is not None else q, out, num_splits, kvh,
         G=group, GP=gp, D=head_dim, SPLITS_P=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,

@@ -50,6 +50,7 @@ def test_default_split_count(heads, kv_heads, ctx):
     from replicas.kernels.triton_decode_attention import default_splits
 
     assert default_splits(kv_heads, 1) == 32 and default_splits(3, 4) == 16 and default_splits(8, 2) == 16
+    assert default_splits(8, 1, 128) == 1 and default_splits(8, 4, 5) == 1 and default_splits(8, 1, 129) == 32
     q, kp, vp, table, c = _case(heads, kv_heads, 64, ctx, seed=5)
     ws: dict = {}
     got = triton_decode_attention(q, kp, vp, table, c, 0.125, workspace=ws)
@@ -58,11 +59,14 @@ def test_default_split_count(heads, kv_heads, ctx):
 
 
 @pytest.mark.parametrize("window", [None, 128, 5])
-def test_sinks_and_window_match_reference(window):
+@pytest.mark.parametrize("splits", [4, 1, None])
+def test_sinks_and_window_match_reference(window, splits):
+    """Split-K with a merge (4), and one program per KV head that normalizes itself (1; the default for
+    windows up to 128 tokens)."""
     q, kp, vp, table, c = _case(64, 8, 64, 300, seed=3)
     sinks = torch.randn(64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     want = static_decode_attention(q, kp, vp, table, c, 0.125, sinks=sinks, sliding_window=window)
-    got = triton_decode_attention(q, kp, vp, table, c, 0.125, sinks=sinks, sliding_window=window, num_splits=4)
+    got = triton_decode_attention(q, kp, vp, table, c, 0.125, sinks=sinks, sliding_window=window, num_splits=splits)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     if window is not None:  # the window matters on these inputs
         full = static_decode_attention(q, kp, vp, table, c, 0.125, sinks=sinks)
@@ -96,3 +100,24 @@ def test_strided_context_lengths_and_tables():
     ours = triton_decode_attention(q, kp, vp, table, ctx, 0.25, num_splits=2)
     ref = static_decode_attention(q, kp, vp, table.contiguous(), ctx.contiguous(), 0.25)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_one_pass_window_for_a_batch_with_a_padding_row():
+    """The one-program-per-KV-head path (window ≤ 128) on a batch whose middle row is CUDA-graph padding
+    (context 0: output 0), with sinks and strided staging columns."""
+    from tests.replicas.conftest import staged_columns
+
+    g = torch.Generator().manual_seed(7)
+    b, heads, kvh, d, blocks, width = 3, 8, 2, 16, 12, 4
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(b)])
+    ctx, table = staged_columns([37, 0, 60], tables, DEVICE)
+    kp = torch.randn(blocks, 16, kvh, d, generator=g).to(DEVICE)
+    vp = torch.randn(blocks, 16, kvh, d, generator=g).to(DEVICE)
+    q = torch.randn(b, heads, d, generator=g).to(DEVICE)
+    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    ours = triton_decode_attention(q, kp, vp, table, ctx, 0.25, sinks=sinks, sliding_window=20)
+    for row in (0, 2):
+        ref = static_decode_attention(q[row:row + 1], kp, vp, table[row].contiguous(), ctx[row:row + 1].contiguous(),
+                                      0.25, sinks=sinks, sliding_window=20)
+        torch.testing.assert_close(ours[row:row + 1], ref, rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(ours[1]) == 0
