@@ -475,7 +475,8 @@ VARIANT_KNOBS = {
     "window1": ("replicas.kernels.triton_decode_attention", "ONE_PASS_WINDOW", int),
     "w1block": ("replicas.kernels.triton_decode_attention", "ONE_PASS_BLOCK", int),
     "w1warps": ("replicas.kernels.triton_decode_attention", "ONE_PASS_WARPS", int),
-    "gemv_ahead": ("replicas.kernels.triton_gemv", "TILES_AHEAD", int),
+    "balanced": ("replicas.kernels.cuda_moe_bulk", "BALANCED_GRID", lambda v: v == "1"),
+    "attn_block": ("replicas.kernels.triton_decode_attention", "TOKENS_PER_ITER", int),
     "epilogue": ("replicas.persistent.cuda_graph", "FUSED_EPILOGUE", lambda v: v == "1"),
     "pipeline": ("replicas.persistent.lane", "PIPELINE", lambda v: v == "1"),
 }

@@ -303,10 +303,29 @@ def available(device_index: int) -> bool:
 
 
 @functools.cache
-def _device_limits(device: torch.device) -> tuple[int, int]:
-    """(SMs, shared-memory bytes a block may opt in to) of ``device``."""
+def _device_limits(device: torch.device) -> tuple[int, int, int]:
+    """(SMs, shared-memory bytes a block may opt in to, shared-memory bytes per SM) of ``device``."""
     props = torch.cuda.get_device_properties(device)
-    return props.multi_processor_count, props.shared_memory_per_block_optin
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or props.shared_memory_per_block_optin
+    return props.multi_processor_count, props.shared_memory_per_block_optin, per_sm
+
+
+RESERVED_SMEM = 1024
+"""Shared memory the driver reserves per resident block (sm_80 and newer, CUDA's occupancy calculator)."""
+
+BALANCED_GRID = True
+"""Launch ``cdiv(tiles, cdiv(tiles, resident blocks))`` blocks, every one with the same tile count, instead of
+as many as may be resident (which left a second, partial wave: gpt-oss-120b's gate_up has 1,440 tiles and an
+H200 holds 792 of its blocks)."""
+
+
+def grid_size(tiles: int, sms: int, blocks_per_sm: int, block_smem: int, smem_per_sm: int, threads: int) -> int:
+    """Blocks of one launch: at most ``blocks_per_sm`` per SM, and no more than fit at once (shared memory
+    with :data:`RESERVED_SMEM` per block, 2,048 threads per SM); with :data:`BALANCED_GRID`, the fewest
+    that keep each block's tile count the same, so no block takes one more tile than the others."""
+    resident = max(1, min(blocks_per_sm, smem_per_sm // (block_smem + RESERVED_SMEM), 2048 // threads))
+    blocks = min(tiles, resident * sms)
+    return -(-tiles // -(-tiles // blocks)) if BALANCED_GRID else blocks
 
 
 def cuda_moe_bulk(
@@ -320,8 +339,9 @@ def cuda_moe_bulk(
     """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches), as
     :func:`~replicas.kernels.triton_moe_tc.triton_moe_tc`.
 
-    Each launch runs ``blocks_per_sm`` persistent blocks per SM; a block takes every so-many tile of
-    ``16 * pairs`` rows of one (token, expert) pair and keeps ``stages`` tiles' bulk copies in flight.
+    Each launch runs up to ``blocks_per_sm`` persistent blocks per SM (:func:`grid_size`); a block takes every
+    so-many tile of ``16 * pairs`` rows of one (token, expert) pair and keeps ``stages`` tiles' bulk copies in
+    flight.
 
     Args:
         x: ``[T, hidden]`` activations (rounded to bf16); weights: ``[T, K]`` routing weights (bf16 or fp32;
@@ -362,7 +382,7 @@ def cuda_moe_bulk(
         raise ValueError(f"16 * pairs must divide 2I ({2 * inter}) and 16 * down_pairs hidden ({hidden})")
     if t * k > MAX_PAIRS:
         raise ValueError(f"{t} tokens x {k} experts: at most {MAX_PAIRS} (token, expert) pairs per call")
-    sms, limit_bytes = _device_limits(x.device)
+    sms, limit_bytes, smem_per_sm = _device_limits(x.device)
     for g, w, p in ((hidden // BLOCK_SIZE, num_warps, pairs), (inter // BLOCK_SIZE, down_num_warps, down_pairs)):
         if shared_bytes(g, w, p, stages) > limit_bytes:
             raise ValueError(f"{stages} stages of {16 * p} rows x {g} blocks need {shared_bytes(g, w, p, stages)} "
@@ -376,12 +396,12 @@ def cuda_moe_bulk(
     ids, weights = ids.contiguous(), weights.contiguous()
     pdl = "launch_pdl" in pdl_args(x)
     pairs_n = t * k
-    blocks = blocks_per_sm * sms
     i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
     h = torch.empty(pairs_n, inter, dtype=torch.bfloat16, device=x.device)
     tiles = pairs_n * 2 * inter // (16 * pairs)
     _kernel(hidden // BLOCK_SIZE, num_warps, pairs, stages, True, False, repacked)(
-        (min(tiles, blocks), 1, 1), 32 * num_warps,
+        (grid_size(tiles, sms, blocks_per_sm, shared_bytes(hidden // BLOCK_SIZE, num_warps, pairs, stages),
+                   smem_per_sm, 32 * num_warps), 1, 1), 32 * num_warps,
         [x_mxfp4, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, h,
          i64(gate_up_blocks.stride(0)), i64(gate_up_scales.stride(0)), i64(gate_up_bias.stride(0)),
          i64(x_mxfp4.stride(0) * 2), i64(h.stride(0)), i32(2 * inter), i32(inter), i32(k), i32(pairs_n), f32(alpha),
@@ -391,7 +411,8 @@ def cuda_moe_bulk(
     tiles = pairs_n * hidden // (16 * down_pairs)
     _kernel(inter // BLOCK_SIZE, down_num_warps, down_pairs, stages, False, weights.dtype == torch.float32,
             repacked)(
-        (min(tiles, blocks), 1, 1), 32 * down_num_warps,
+        (grid_size(tiles, sms, blocks_per_sm, shared_bytes(inter // BLOCK_SIZE, down_num_warps, down_pairs, stages),
+                   smem_per_sm, 32 * down_num_warps), 1, 1), 32 * down_num_warps,
         [h, ids, weights, down_blocks, down_scales, down_bias, out,
          i64(down_blocks.stride(0)), i64(down_scales.stride(0)), i64(down_bias.stride(0)),
          i64(h.stride(0) * 2), i64(hidden), i32(hidden), i32(hidden), i32(k), i32(pairs_n), f32(alpha), f32(limit)],

@@ -23,21 +23,16 @@ import triton.language as tl
 from replicas.kernels.pdl import pdl_args, pdl_wait
 from replicas.kernels.triton_rmsnorm import rmsnorm_row
 
-TILES_AHEAD = 1
-"""Weight tiles :func:`triton_gemv` keeps loading ahead of the one being summed (1 or 2)."""
-
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, res_ptr, nw_ptr, xout_ptr, eps,
                  K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                 NORM: tl.constexpr, HAS_DELTA: tl.constexpr, WEIGHT_FP32: tl.constexpr, PDL: tl.constexpr,
-                 AHEAD: tl.constexpr = 1):
+                 NORM: tl.constexpr, HAS_DELTA: tl.constexpr, WEIGHT_FP32: tl.constexpr, PDL: tl.constexpr):
     """Grid ``(cdiv(N, BN),)``: ``y[n] = sum_k W[n, k] x[k] (+ b[n])`` for ``BN`` rows, ``BK`` columns a step.
     With ``SWIGLU`` each program also reads rows ``n + N`` (the up projection under the gate rows ``n``) and
     stores ``silu(gate) * up``. With ``NORM`` (one step: ``BK >= K``) the input is
     ``rmsnorm(res + x)`` (weight ``nw``; ``res`` alone without ``HAS_DELTA``), computed by every program;
-    program 0 stores ``res + x`` at ``xout``. ``AHEAD`` weight tiles are loaded ahead of the one being summed
-    (1 or 2)."""
+    program 0 stores ``res + x`` at ``xout``."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     if SWIGLU:  # gate rows n, then up rows n + N: one [2 BN] tile
@@ -61,12 +56,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, res_ptr, nw_ptr, xout
         x = x.to(res_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-    if AHEAD == 2 and NS > 1:  # a second weight tile in flight from the start
-        w1 = tl.load(rows + (BK + k)[None, :], mask=ok2[:, None] & (BK + k < K)[None, :], other=0.0)
-        x1 = tl.load(x_ptr + BK + k, mask=BK + k < K, other=0.0)
     for i in tl.static_range(NS):
-        if i + AHEAD < NS:
-            kn = (i + AHEAD) * BK + k
+        if i + 1 < NS:
+            kn = (i + 1) * BK + k
             w_next = tl.load(rows + kn[None, :], mask=ok2[:, None] & (kn < K)[None, :], other=0.0)
             x_next = tl.load(x_ptr + kn, mask=kn < K, other=0.0)
         part = w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -74,12 +66,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, res_ptr, nw_ptr, xout
             acc = part
         else:
             acc += part
-        if AHEAD == 2:
-            if i + 1 < NS:
-                w, x = w1, x1
-            if i + 2 < NS:
-                w1, x1 = w_next, x_next
-        elif i + 1 < NS:
+        if i + 1 < NS:
             w, x = w_next, x_next
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -127,7 +114,7 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(), weight, bias if bias is not None else weight, y, n, weight.stride(0), x, x, x, 0.0,
         K=k, BN=block_n, BK=min(block_k, triton.next_power_of_2(k)), HAS_BIAS=bias is not None, SWIGLU=swiglu,
-        NORM=False, HAS_DELTA=False, WEIGHT_FP32=False, num_warps=num_warps, AHEAD=TILES_AHEAD, **pdl_args(x),
+        NORM=False, HAS_DELTA=False, WEIGHT_FP32=False, num_warps=num_warps, **pdl_args(x),
     )
     return y
 

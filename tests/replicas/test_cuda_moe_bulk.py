@@ -184,3 +184,22 @@ def test_moe_reference_reads_repacked_experts_and_other_kernels_are_refused(monk
     dispatch.restore_checkpoint_layout(experts)
     assert not dispatch.repacked(experts)
     assert torch.equal(dispatch.moe_reference(x, w, ids, experts), before)
+
+
+def test_grid_size_balances_tiles_over_the_blocks_that_fit():
+    """gpt-oss-120b's gate_up on an H200: 1,440 tiles, 132 SMs, 31.8 KiB per block (6 fit per SM): 720
+    blocks of two tiles each, not 792 of which some take two and some one (or 1,056 in two waves)."""
+    from replicas.kernels import cuda_moe_bulk as bulk
+
+    smem = bulk.shared_bytes(90, 4, 1, 1)
+    assert bulk.grid_size(1440, 132, 8, smem, 233472, 128) == 720
+    assert bulk.grid_size(720, 132, 8, smem, 233472, 128) == 720
+    assert bulk.grid_size(10, 132, 8, smem, 233472, 128) == 10
+    assert bulk.grid_size(1440, 132, 1, smem, 233472, 1024) == 131  # 11 tiles each (132 would leave some 10)
+    saved = bulk.BALANCED_GRID
+    try:
+        bulk.BALANCED_GRID = False
+        assert bulk.grid_size(1440, 132, 8, smem, 233472, 128) == 792
+        assert bulk.grid_size(1440, 132, 8, smem, 233472, 1024) == 264  # 2,048 threads per SM: 2 blocks
+    finally:
+        bulk.BALANCED_GRID = saved
