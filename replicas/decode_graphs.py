@@ -34,7 +34,7 @@ class DecodeGraphs:
 
     Args:
         model: a model with ``decode_static(token [B], position [B], block_table [B, max_blocks],
-            kv_planes) -> [B, vocab]`` fp32 logits.
+            kv_planes) -> [B, vocab]`` logits (kept here as fp32).
         kv_planes: per layer ``(key_plane, value_plane)``.
         device: a CUDA device.
         max_model_len: context limit; sets the padded block-table width.
@@ -96,7 +96,7 @@ class DecodeGraphs:
         try:
             with torch.inference_mode():
                 probe = self.model.decode_static(staging[:, 0], staging[:, 1], staging[:, 2:], self.kv_planes)
-                buf["logits"] = torch.empty_like(probe)
+                buf["logits"] = torch.empty(probe.shape, dtype=torch.float32, device=probe.device)  # sampled
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):

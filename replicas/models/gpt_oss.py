@@ -336,7 +336,8 @@ class GptOssForCausalLM(nn.Module):
             kv_planes: per layer ``(key_plane, value_plane)``.
 
         Returns:
-            ``[B, vocab]`` fp32 logits for each sequence's next token.
+            ``[B, vocab]`` logits for each sequence's next token, in the LM head's dtype (one
+            conversion launch fewer per step; callers that sample convert).
         """
         context_len = position + 1
         layers = self.model.layers
@@ -353,7 +354,7 @@ class GptOssForCausalLM(nn.Module):
                                                          mxfp4_out=mx, workspace=self._decode_workspace)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, h = moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True, x_mxfp4=h_mx)
-        return self.lm_head(h).float()
+        return self.lm_head(h)  # the LM head's dtype: greedy quanta take the argmax as it is
 
     @classmethod
     def from_pretrained(

@@ -176,7 +176,8 @@ class LlamaForCausalLM(nn.Module):
             kv_planes: per layer ``(key_plane, value_plane)``.
 
         Returns:
-            ``[B, vocab]`` fp32 logits for each sequence's next token.
+            ``[B, vocab]`` logits for each sequence's next token, in the LM head's dtype (one
+            conversion launch fewer per step; callers that sample convert).
         """
         context_len = position + 1
         x = self.model.embed_tokens(token)  # [B, hidden]
@@ -193,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
                                       swiglu=True)
             m = linear(g, mlp.down_proj.weight)
         _, h = add_rmsnorm(x, m, self.model.norm, False)
-        return self.lm_head(h).float()
+        return self.lm_head(h)  # the LM head's dtype: greedy quanta take the argmax as it is
 
     @classmethod
     def from_pretrained(
