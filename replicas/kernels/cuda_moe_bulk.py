@@ -333,7 +333,7 @@ def cuda_moe_bulk(
     gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, x_mxfp4: torch.Tensor | None = None, num_warps: int = 4,
-    down_num_warps: int = 4, pairs: int = 1, down_pairs: int = 1, stages: int = 1, blocks_per_sm: int = 8,
+    down_num_warps: int = 4, pairs: int = 1, down_pairs: int | None = None, stages: int = 1, blocks_per_sm: int = 8,
     repacked: bool = False,
 ) -> torch.Tensor:
     """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches), as
@@ -354,7 +354,8 @@ def cuda_moe_bulk(
         x_mxfp4: ``x`` already in the MMA format (:func:`~replicas.kernels.triton_moe_tc.mxfp4_activations`);
             computed here when None.
         num_warps, pairs: the gate_up launch's warps per block and row pairs per lane (16 rows per pair);
-            down_num_warps, down_pairs: the down launch's. stages: tiles in flight per block.
+            down_num_warps, down_pairs: the down launch's (``down_pairs`` None: 2 when 32 divides ``hidden``,
+            else 1). stages: tiles in flight per block.
         repacked: the packed blocks are in :mod:`~replicas.kernels.mxfp4_decode_layout`'s bit layout
             (:func:`~replicas.kernels.mxfp4_decode_layout.repack_`), which decodes in fewer instructions.
             Defaults: the fastest of ``python -m ops.bench_kernels --kernels bulk`` on an H200 at
@@ -372,6 +373,8 @@ def cuda_moe_bulk(
              "stages": stages, "blocks_per_sm": blocks_per_sm} | TILE_OVERRIDES
     num_warps, down_num_warps, pairs, down_pairs, stages, blocks_per_sm = tiles.values()
     t, hidden, k, inter = check_packed_moe(x, ids, gate_up_blocks, down_blocks)
+    if down_pairs is None:  # 32-row down tiles: gpt-oss-120b 1.985-1.997 against 2.001-2.002 ms/token
+        down_pairs = 2 if hidden % 32 == 0 else 1
     for name, tensor in (("gate_up_scales", gate_up_scales), ("down_scales", down_scales),
                          ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
         if not tensor.is_contiguous():
