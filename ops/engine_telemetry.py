@@ -67,7 +67,9 @@ class RequestTelemetry:
                 backend: str | None = None, error: str | None = None) -> None:
         """One persistent quantum: ``size`` tokens asked, ``emitted`` returned (0 when it failed with ``error``).
 
-        ``start_ns``/``end_ns`` are ``time.time_ns()`` around the launch; ``backend`` the backend that ran it.
+        ``start_ns``/``end_ns`` are ``time.time_ns()`` from the launch to the read-back of its result; with
+        pipelined quanta a quantum is launched while the one before runs, so consecutive spans overlap (a
+        follower discarded because the request ended gets no span). ``backend``: the backend that ran it.
         """
         backend = backend or self._owner.backend or "none"
         attrs = {"quantum.size": size, "quantum.tokens_emitted": emitted, "persistent.backend": backend}

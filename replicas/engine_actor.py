@@ -26,7 +26,7 @@ from replicas.messages import GenerateRequest, GenerationChunk, GenerationError,
 from replicas.persistent.checkpoint import CheckpointError
 from replicas.persistent.contract import PersistentDecoderError
 from replicas.persistent.factory import create_backend
-from replicas.persistent.faults import FaultInjectingBackend, FaultInjection
+from replicas.persistent.faults import FaultInjection, with_faults
 from replicas.persistent.lane import PersistentLane
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class EngineActor:
             try:
                 decoder = create_backend(backend, self.core, checkpoint)
                 if fault_injection is not None:
-                    decoder = FaultInjectingBackend(decoder, FaultInjection.model_validate(fault_injection))
+                    decoder = with_faults(decoder, FaultInjection.model_validate(fault_injection))
             except (PersistentDecoderError, CheckpointError) as exc:
                 if self.mode is Mode.REQUIRED:
                     raise PersistentDecoderLoadError(

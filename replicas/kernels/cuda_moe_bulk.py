@@ -323,6 +323,8 @@ def grid_size(tiles: int, sms: int, blocks_per_sm: int, block_smem: int, smem_pe
     """Blocks of one launch: at most ``blocks_per_sm`` per SM, and no more than fit at once (shared memory
     with :data:`RESERVED_SMEM` per block, 2,048 threads per SM); with :data:`BALANCED_GRID`, the fewest
     that keep each block's tile count the same, so no block takes one more tile than the others."""
+    if tiles <= 0:
+        return 0
     resident = max(1, min(blocks_per_sm, smem_per_sm // (block_smem + RESERVED_SMEM), 2048 // threads))
     blocks = min(tiles, resident * sms)
     return -(-tiles // -(-tiles // blocks)) if BALANCED_GRID else blocks

@@ -9,7 +9,8 @@ the arg-max of one block of logits (the first index among equal maxima, as
 ``torch.argmax``) and stores it; the last program to arrive (a global arrival
 counter, the pattern of CUDA's ``threadFenceReduction`` sample, as in
 :mod:`replicas.kernels.triton_router`) picks the best block, does the
-bookkeeping and resets the counter for the next launch.
+bookkeeping and resets the counter for the next launch. NaN logits: ``torch.argmax`` returns the first NaN,
+this kernel ignores NaNs (the step's output is meaningless either way; the token stays in the vocabulary).
 
 The state it reads and writes is :class:`~replicas.persistent.cuda_graph.QuantumBuffers`'
 layout: ``state = [token, position, alive, stop_ids (MAX_STOP), ...]`` and ``out = [out_tokens (Q), count]``

@@ -167,6 +167,7 @@ class CudaGraphBackend(PipelinedBackend):
         self._done = [torch.cuda.Event() if pin else None for _ in range(self.MAX_IN_FLIGHT)]
         self._in_flight: deque[tuple[int, QuantumRequest]] = deque()
         self._launches = 0
+        self._can_follow = False  # the device state is a launched quantum's, not yet discarded
         self._fused_epilogue = lazy_kernel("replicas.kernels.triton_greedy", "greedy_step") \
             if FUSED_EPILOGUE and self.device.type == "cuda" else None
         self._workspace: dict = {}
@@ -232,7 +233,7 @@ class CudaGraphBackend(PipelinedBackend):
             BackendLaunchError: the copies or the graph replay failed.
         """
         self._check(req)
-        if follows and not self._launches:
+        if follows and not self._can_follow:
             raise PrelaunchError("a following quantum needs one launched before it", "unsupported_envelope")
         slot = self._launches % self.MAX_IN_FLIGHT
         b, stage = self.buffers, self._stage_np[slot]
@@ -253,8 +254,15 @@ class CudaGraphBackend(PipelinedBackend):
             if self._done[slot] is not None:
                 self._done[slot].record()
         except Exception as exc:  # noqa: BLE001 - after launch the cache may have changed: terminal
+            self._can_follow = False
+            if self.device.type == "cuda":
+                try:  # whatever was queued finishes before the caller frees pages or reuses the slot
+                    torch.cuda.current_stream(self.device).synchronize()
+                except Exception:  # noqa: BLE001, S110 - the device itself failed: nothing left to wait for
+                    pass
             raise BackendLaunchError(f"cuda_graph quantum failed: {exc}") from exc
         self._launches += 1
+        self._can_follow = True
         self._in_flight.append((slot, req))
 
     def collect_quantum(self) -> QuantumResult:
@@ -282,7 +290,8 @@ class CudaGraphBackend(PipelinedBackend):
         return QuantumResult(finish, emitted, committed, emitted[-1] if emitted else req.pending_token, count)
 
     def discard_quanta(self) -> None:
-        """Wait for the quanta in flight and drop their results."""
+        """Wait for the quanta in flight and drop their results (the next launch cannot follow them)."""
+        self._can_follow = False
         while self._in_flight:
             slot, _ = self._in_flight.popleft()
             if self._done[slot] is not None:

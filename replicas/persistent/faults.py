@@ -22,6 +22,7 @@ from replicas.persistent.contract import (
     BackendLaunchError,
     CacheBinding,
     PersistentBackend,
+    PipelinedBackend,
     PrelaunchError,
     QuantumRequest,
     QuantumResult,
@@ -75,3 +76,52 @@ class FaultInjectingBackend(PersistentBackend):
         if fail:
             raise BackendLaunchError(f"injected fault after launch (quantum {self.quanta_seen})")
         return result
+
+
+class FaultInjectingPipelinedBackend(FaultInjectingBackend, PipelinedBackend):
+    """:class:`FaultInjectingBackend` for a :class:`PipelinedBackend` (so injecting faults keeps the lane's
+    pipelined quanta): a scheduled ``prelaunch`` fault refuses the launch (a follower is then not queued,
+    and the lane launches that quantum on its own later, counted as a new quantum); an ``after_launch``
+    fault lets the quantum launch and fails when its result is collected."""
+
+    def __init__(self, inner: PipelinedBackend, spec: FaultInjection):
+        super().__init__(inner, spec)
+        self._doomed: list[bool] = []  # per launched quantum, in launch order: fail at collection
+
+    def launch_quantum(self, req: QuantumRequest, follows: bool = False) -> None:
+        """Launch ``req`` on the inner backend, or refuse it as scheduled.
+
+        Raises:
+            PrelaunchError: scheduled ``prelaunch`` fault (reason ``injected_fault``).
+        """
+        self.quanta_seen += 1
+        fail = self.quanta_seen % self.spec.every_n == 0
+        if fail and self.spec.stage == "prelaunch":
+            raise PrelaunchError(f"injected prelaunch fault (quantum {self.quanta_seen})", reason=INJECTED_REASON)
+        self.inner.launch_quantum(req, follows)
+        self._doomed.append(fail)
+
+    def collect_quantum(self) -> QuantumResult:
+        """The inner backend's result, or a scheduled ``after_launch`` failure (the quantum did run).
+
+        Raises:
+            BackendLaunchError: scheduled ``after_launch`` fault, or the inner backend's.
+        """
+        result = self.inner.collect_quantum()
+        if self._doomed.pop(0):
+            raise BackendLaunchError("injected fault after launch")
+        return result
+
+    def discard_quanta(self) -> None:
+        self._doomed.clear()
+        self.inner.discard_quanta()
+
+    def run_quantum(self, req: QuantumRequest) -> QuantumResult:
+        return PipelinedBackend.run_quantum(self, req)
+
+
+def with_faults(inner: PersistentBackend, spec: FaultInjection) -> FaultInjectingBackend:
+    """``inner`` wrapped for fault injection, keeping its pipelining if it has it."""
+    if isinstance(inner, PipelinedBackend):
+        return FaultInjectingPipelinedBackend(inner, spec)
+    return FaultInjectingBackend(inner, spec)

@@ -5,10 +5,17 @@ the engine's model runner → stream the first token → repeat { size the quant
 (``policy.quantum_size``), reserve its pages, launch, validate the result,
 stream the quantum as one chunk } → free the pages.
 
+With a :class:`PipelinedBackend` (``cuda_graph``) the next quantum is sized,
+given its pages and launched *before* the current one is read, as if the
+current one emits all its tokens; it starts from the token and position the
+current one leaves on the device. When the current quantum ends the request
+(or stops early) the follower is discarded; a follower the backend refuses
+before launch is simply not queued, and the next quantum launches on its own.
+
 Errors: a rejection before anything ran is a :class:`Rejection` (the router
 falls back to the standard lane). A :class:`PrelaunchError` on a later quantum
-leaves the cache untouched, so the request continues on the reference decode
-path in this replica and the chunk carries ``fallback_reason``. A
+(not on a follower) leaves the cache untouched, so the request continues on the
+reference decode path in this replica and the chunk carries ``fallback_reason``. A
 :class:`BackendLaunchError` (or an invalid result) is terminal for the request
 and marks the decoder unhealthy.
 """
@@ -133,13 +140,14 @@ class PersistentLane:
         fallback: str | None = None
         fallback_reported = False
         ahead: tuple[QuantumRequest, int] | None = None  # a quantum launched behind the one being collected
+        pipeline = PIPELINE and isinstance(self.backend, PipelinedBackend)  # fixed for the request
         try:
             while chunk.finish_reason is None:
                 if cancel is not None and cancel.is_set():
                     yield self._chunk(req, [], "", FinishReason.ABORT)
                     return
                 backend = self._reference if fallback else self.backend
-                pipelined = PIPELINE and isinstance(backend, PipelinedBackend)
+                pipelined = pipeline and not fallback
                 if ahead is not None:
                     (qreq, start_ns), ahead = ahead, None
                 else:
@@ -172,7 +180,11 @@ class PersistentLane:
                         yield self._terminal(req, backend, qreq, exc, start_ns, telemetry)
                         return
                 if pipelined:
-                    ahead = self._launch_follower(req, backend, qreq, cancel)
+                    try:
+                        ahead = self._launch_follower(req, backend, qreq, cancel)
+                    except Exception as exc:  # noqa: BLE001 - the follower's launch failed: terminal
+                        yield self._terminal(req, backend, qreq, exc, start_ns, telemetry)
+                        return
                     try:
                         result = backend.collect_quantum()
                     except Exception as exc:  # noqa: BLE001
@@ -188,6 +200,9 @@ class PersistentLane:
                                       time.time_ns(), backend=backend.name)
                 self.quanta_run += 1
                 req.num_computed_tokens = result.committed_kv_length
+                if ahead is not None and ahead[0].committed_kv_length != result.committed_kv_length:
+                    backend.discard_quanta()  # this quantum stopped early: the follower started from a wrong guess
+                    ahead = None
                 if ahead is not None:  # it started from this result's last token
                     ahead = (replace(ahead[0], pending_token=result.pending_token), ahead[1])
                 chunk = self._emit(req, detok, result.emitted_tokens)
@@ -218,7 +233,12 @@ class PersistentLane:
     def _launch_follower(self, req: Request, backend: PipelinedBackend, qreq: QuantumRequest,
                          cancel) -> tuple[QuantumRequest, int] | None:
         """Queue the quantum after ``qreq`` (still running) as if ``qreq`` emits all its tokens; None when
-        nothing would follow (the request ends with ``qreq``, pages are short, or the backend refuses)."""
+        nothing would follow (the request ends with ``qreq``, pages are short, or the backend refuses before
+        launch: the next quantum then launches on its own once ``qreq`` is read).
+
+        Raises:
+            BackendLaunchError: the follower's launch failed (terminal for the request).
+        """
         remaining = req.remaining_output_tokens - qreq.max_tokens
         committed = qreq.committed_kv_length + qreq.max_tokens
         if remaining <= 0 or committed >= self.core.config.max_model_len - 1:

@@ -123,6 +123,10 @@ def test_a_following_quantum_needs_one_before_it(core):
     backend.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
     with pytest.raises(PrelaunchError, match="needs one launched before it"):
         backend.launch_quantum(_quantum(core, 1, 16, 2, [0, 1]), follows=True)
+    backend.launch_quantum(_quantum(core, 1, 16, 2, [0, 1, 2]))
+    backend.discard_quanta()  # the device state is no longer a quantum the caller tracks
+    with pytest.raises(PrelaunchError, match="needs one launched before it"):
+        backend.launch_quantum(_quantum(core, 1, 18, 2, [0, 1, 2]), follows=True)
 
 
 def test_the_lane_launches_each_quantum_behind_the_one_it_reads(core, tokenizer):
@@ -159,4 +163,65 @@ def test_the_lane_launches_each_quantum_behind_the_one_it_reads(core, tokenizer)
         if len(chunks) == 2:
             cancel.set()
     assert chunks[-1].finish_reason == "abort" and not backend._in_flight
+    assert_pool_full(core)
+
+
+def _lane_with_faults(core, stage: str, every_n: int):
+    from replicas.persistent.faults import (
+        FaultInjectingPipelinedBackend,
+        FaultInjection,
+        with_faults,
+    )
+
+    backend = CudaGraphBackend(core.model, "cpu", core.config.max_model_len)
+    wrapped = with_faults(backend, FaultInjection(stage=stage, every_n=every_n))
+    assert isinstance(wrapped, FaultInjectingPipelinedBackend)
+    return PersistentLane(core, wrapped), backend
+
+
+def test_a_failure_collected_with_a_follower_in_flight_is_terminal(core, tokenizer):
+    """The 2nd quantum (a follower) fails when it is read, while the 3rd already runs behind it: the request
+    ends with a post-launch error, the decoder is unhealthy, the follower is discarded, no page leaks."""
+    from replicas.messages import GenerationError
+
+    lane, backend = _lane_with_faults(core, "after_launch", 2)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    out = _run(lane, chat_ids(tokenizer, PROMPTS[0]), params)
+    assert isinstance(out[-1], GenerationError) and out[-1].stage == "postlaunch"
+    assert len(tokens_of(out[:-1])) == 1 + 8  # the prefill token and the first quantum
+    assert not lane.healthy and not backend._in_flight
+    assert_pool_full(core)
+
+
+def test_a_refused_follower_runs_on_its_own_later(core, tokenizer):
+    """Every 2nd launch refused before launch (a follower each time): nothing falls back, the tokens equal
+    the eager backend's, no page leaks."""
+    ids = chat_ids(tokenizer, PROMPTS[2])
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want = tokens_of(_run(PersistentLane(core, EagerBackend(core.model, "cpu")), ids, params))
+    lane, backend = _lane_with_faults(core, "prelaunch", 2)
+    out = _run(lane, ids, params)
+    assert tokens_of(out) == want and all(getattr(c, "fallback_reason", None) is None for c in out)
+    assert lane.healthy and not backend._in_flight
+    assert_pool_full(core)
+
+
+def test_a_follower_that_fails_to_launch_is_terminal(core, tokenizer):
+    """The follower's launch itself fails (a device error while queueing it): the request ends with a
+    post-launch error and the decoder is marked unhealthy; the quantum before it is discarded."""
+    from replicas.messages import GenerationError
+
+    backend = CudaGraphBackend(core.model, "cpu", core.config.max_model_len)
+    launch = backend.launch_quantum
+
+    def failing_follower(req, follows=False):
+        if follows:
+            raise BackendLaunchError("device lost while queueing the follower")
+        launch(req, follows)
+
+    backend.launch_quantum = failing_follower
+    lane = PersistentLane(core, backend)
+    out = _run(lane, chat_ids(tokenizer, PROMPTS[0]), SamplingParams(max_tokens=20, temperature=0.0))
+    assert isinstance(out[-1], GenerationError) and out[-1].stage == "postlaunch"
+    assert "follower" in out[-1].message and not lane.healthy and not backend._in_flight
     assert_pool_full(core)

@@ -2,8 +2,8 @@
 
 On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``, set here
 before triton is imported), which runs the programs one after another, so the
-last-arriving program is the last one; on an NVIDIA GPU (``tests/gpu``) the
-programs race for the arrival counter. Logits are random normal with planted
+last-arriving program is the last one; run with CUDA (this file, on the GPU
+machine) the programs race for the arrival counter. Logits are random normal with planted
 ties across blocks (the first index must win, as ``torch.argmax``).
 """
 
