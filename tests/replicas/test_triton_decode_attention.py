@@ -83,20 +83,25 @@ def test_bf16_within_bf16_expectations():
     assert (got - want).abs().max() / want.abs().max() < 2e-2
 
 
+def _staged_batch(contexts: list[int], heads: int, seed: int, kvh: int = 2, d: int = 16, blocks: int = 12,
+                  width: int = 4):
+    """A batch of ``len(contexts)`` queries whose context lengths and block tables are strided views (a
+    CUDA-graph staging buffer's columns); returns ``(q, kp, vp, table, ctx, generator)``."""
+    from tests.replicas.conftest import staged_columns
+
+    g = torch.Generator().manual_seed(seed)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in contexts])
+    ctx, table = staged_columns(contexts, tables, DEVICE)
+    kp = torch.randn(blocks, 16, kvh, d, generator=g).to(DEVICE)
+    vp = torch.randn(blocks, 16, kvh, d, generator=g).to(DEVICE)
+    q = torch.randn(len(contexts), heads, d, generator=g).to(DEVICE)
+    return q, kp, vp, table, ctx, g
+
+
 def test_strided_context_lengths_and_tables():
     """Context lengths and block tables that are strided views (a CUDA-graph staging buffer's columns):
     each row reads its own."""
-    from replicas.kernels.static_decode import static_decode_attention
-    from replicas.kernels.triton_decode_attention import triton_decode_attention
-    from tests.replicas.conftest import staged_columns
-
-    g = torch.Generator().manual_seed(5)
-    b, heads, kvh, d, blocks, width = 3, 4, 2, 16, 12, 4
-    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(b)])
-    ctx, table = staged_columns([22, 4, 41], tables, DEVICE)
-    kp = torch.randn(blocks, 16, kvh, d, generator=g).to(DEVICE)
-    vp = torch.randn(blocks, 16, kvh, d, generator=g).to(DEVICE)
-    q = torch.randn(b, heads, d, generator=g).to(DEVICE)
+    q, kp, vp, table, ctx, _ = _staged_batch([22, 4, 41], heads=4, seed=5)
     ours = triton_decode_attention(q, kp, vp, table, ctx, 0.25, num_splits=2)
     ref = static_decode_attention(q, kp, vp, table.contiguous(), ctx.contiguous(), 0.25)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
@@ -105,16 +110,8 @@ def test_strided_context_lengths_and_tables():
 def test_one_pass_window_for_a_batch_with_a_padding_row():
     """The one-program-per-KV-head path (window ≤ 128) on a batch whose middle row is CUDA-graph padding
     (context 0: output 0), with sinks and strided staging columns."""
-    from tests.replicas.conftest import staged_columns
-
-    g = torch.Generator().manual_seed(7)
-    b, heads, kvh, d, blocks, width = 3, 8, 2, 16, 12, 4
-    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(b)])
-    ctx, table = staged_columns([37, 0, 60], tables, DEVICE)
-    kp = torch.randn(blocks, 16, kvh, d, generator=g).to(DEVICE)
-    vp = torch.randn(blocks, 16, kvh, d, generator=g).to(DEVICE)
-    q = torch.randn(b, heads, d, generator=g).to(DEVICE)
-    sinks = torch.randn(heads, generator=g).to(DEVICE)
+    q, kp, vp, table, ctx, g = _staged_batch([37, 0, 60], heads=8, seed=7)
+    sinks = torch.randn(8, generator=g).to(DEVICE)
     ours = triton_decode_attention(q, kp, vp, table, ctx, 0.25, sinks=sinks, sliding_window=20)
     for row in (0, 2):
         ref = static_decode_attention(q[row:row + 1], kp, vp, table[row].contiguous(), ctx[row:row + 1].contiguous(),
