@@ -63,6 +63,22 @@ def default_splits(num_kv_heads: int, batch: int, sliding_window: int | None = N
 
 
 @triton.jit
+def _with_sinks(m, sink_ptrs, mask, HAS_SINKS: tl.constexpr):
+    """The shift for a softmax whose running max over the keys is ``m``, and what the sinks add to its
+    denominator: ``(m_safe, exp(sink - m_safe))`` with ``m_safe = max(m, sink)`` (0 where that is ``-inf``:
+    no keys, no sink) and the sink loaded at ``sink_ptrs`` (GPT-OSS's per-head learned sinks, transformers'
+    ``eager_attention_forward``); without sinks ``(m_safe, 0)``."""
+    sink_term = tl.zeros_like(m)
+    if HAS_SINKS:
+        sink = tl.load(sink_ptrs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.maximum(m, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    if HAS_SINKS:
+        sink_term = tl.exp(sink - m_safe)
+    return m_safe, sink_term
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, ctx_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
     scale, stride_kb, stride_kt, stride_kh, num_splits, window, stride_tb, num_kvh, stride_ctx,
@@ -111,15 +127,9 @@ def _split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     if FINAL:
-        m_all = m_i
-        if HAS_SINKS:
-            sink = tl.load(sinks_ptr + kvh * G + offs_g, mask=g_mask, other=0.0).to(tl.float32)
-            m_all = tl.maximum(m_all, sink)
-        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        m_safe, sink_term = _with_sinks(m_i, sinks_ptr + kvh * G + offs_g, g_mask, HAS_SINKS)
         w = tl.exp(m_i - m_safe)
-        denom = l_i * w
-        if HAS_SINKS:
-            denom += tl.exp(sink - m_safe)
+        denom = l_i * w + sink_term
         out = tl.where(denom[:, None] > 0, acc * (w / denom)[:, None], 0.0)  # a padding row (no keys) gives 0
         dst = out_ptr + (seq * num_kvh * G + kvh * G + offs_g)[:, None] * D + offs_d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -149,15 +159,9 @@ def _merge_kernel(
     m = tl.load(part_m_ptr + rows, mask=s_mask, other=float("-inf"))
     den = tl.load(part_l_ptr + rows, mask=s_mask, other=0.0)
     o = tl.load(part_o_ptr + rows[:, None] * D + offs_d[None, :], mask=s_mask[:, None], other=0.0)  # [S, D]
-    m_all = tl.max(m, 0)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + kvh * G + g).to(tl.float32)
-        m_all = tl.maximum(m_all, sink)
-    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    m_safe, sink_term = _with_sinks(tl.max(m, 0), sinks_ptr + kvh * G + g, g < G, HAS_SINKS)
     w = tl.exp(m - m_safe)  # [S]
-    denom = tl.sum(den * w, 0)
-    if HAS_SINKS:
-        denom += tl.exp(sink - m_safe)
+    denom = tl.sum(den * w, 0) + sink_term
     acc = tl.sum(o * w[:, None], 0)  # [D]
     out = tl.where(denom > 0, acc / denom, 0.0)  # a padding row (no keys) gives 0
     tl.store(out_ptr + (seq * num_kvh * G + kvh * G + g) * D + offs_d, out.to(out_ptr.dtype.element_ty))

@@ -7,8 +7,7 @@ the pending token and position advanced. In torch that is eight small launches
 per step (a reduction, copies, comparisons); here it is one. Every program takes
 the arg-max of one block of logits (the first index among equal maxima, as
 ``torch.argmax``) and stores it; the last program to arrive (a global arrival
-counter, the pattern of CUDA's ``threadFenceReduction`` sample, as in
-:mod:`replicas.kernels.triton_router`) picks the best block, does the
+counter: :mod:`replicas.kernels.grid_sync`) picks the best block, does the
 bookkeeping and resets the counter for the next launch. NaN logits: ``torch.argmax`` returns the first NaN,
 this kernel ignores NaNs (the step's output is meaningless either way; the token stays in the vocabulary).
 
@@ -24,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replicas.kernels.triton_router import _gpu_fence
+from replicas.kernels.grid_sync import arrive, gpu_fence
 
 BLOCK = 2048
 """Logits per program: gpt-oss's 201,088-token vocabulary is 99 programs, SmolLM2's 49,152 is 24."""
@@ -40,11 +39,8 @@ def _greedy_step_kernel(logits_ptr, V, part_v_ptr, part_i_ptr, counter_ptr, stat
     best = tl.argmax(v, 0, tie_break_left=True)
     tl.store(part_v_ptr + pid, tl.max(v, 0))
     tl.store(part_i_ptr + pid, pid.to(tl.int64) * BLOCK + best)
-    _gpu_fence(FENCE)  # this program's partial is visible GPU-wide before its arrival
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:  # the last program: every block's arg-max is in
-        _gpu_fence(FENCE)
+    if arrive(counter_ptr, FENCE):  # the last program: every block's arg-max is in
+        gpu_fence(FENCE)
         p = tl.arange(0, PP)
         p_ok = p < tl.num_programs(0)
         vals = tl.load(part_v_ptr + p, mask=p_ok, other=float("-inf"), cache_modifier=".cg")

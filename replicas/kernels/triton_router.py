@@ -9,8 +9,7 @@ At batch one the decode step instead runs :func:`triton_add_rmsnorm_route`:
 the residual add and RMSNorm after attention, the router GEMV and the top-k in
 one launch (three before). Every program recomputes the norm (2,880 values
 from L2) and takes four experts' logits; the last program to finish (a global
-arrival counter, the pattern of CUDA's ``threadFenceReduction`` sample) picks
-the top k.
+arrival counter: :mod:`replicas.kernels.grid_sync`) picks the top k.
 
 Ties pick the lowest expert id first (``torch.topk`` leaves tie order
 unspecified, so tests use logits without ties). Reference:
@@ -23,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from replicas.kernels.grid_sync import arrive, gpu_fence
 from replicas.kernels.pdl import pdl_args, pdl_wait
 from replicas.kernels.triton_moe_tc import X_SCALE, mma_position
 from replicas.kernels.triton_rmsnorm import rmsnorm_row
@@ -81,15 +81,6 @@ def triton_router_topk(logits: torch.Tensor, k: int, weight_dtype: torch.dtype) 
 
 
 @triton.jit
-def _gpu_fence(FENCE: tl.constexpr):
-    """With ``FENCE``: this thread's earlier memory operations are ordered GPU-wide before its later ones
-    (PTX ``fence.acq_rel.gpu``). Off on the CPU interpreter, which runs programs one after another."""
-    if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-
-@triton.jit
 def _add_rmsnorm_route_kernel(res_ptr, delta_ptr, nw_ptr, rw_ptr, rb_ptr, x_out_ptr, h_ptr, hmx_ptr, logits_ptr,
                               counter_ptr, w_ptr, ids_ptr, E, eps, HIDDEN: tl.constexpr, BH: tl.constexpr,
                               BN: tl.constexpr, K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
@@ -117,11 +108,8 @@ def _add_rmsnorm_route_kernel(res_ptr, delta_ptr, nw_ptr, rw_ptr, rb_ptr, x_out_
             tl.store(hmx_ptr + mma_position(k), (h.to(tl.float32) * X_SCALE).to(tl.bfloat16), mask=k_ok)
     logit = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], 1) + bias
     tl.store(logits_ptr + n, logit.to(logits_ptr.dtype.element_ty), mask=n_ok)
-    _gpu_fence(FENCE)  # every thread's logits are visible GPU-wide before the arrival below
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:  # the last program: every logit is in
-        _gpu_fence(FENCE)
+    if arrive(counter_ptr, FENCE):  # the last program: every logit is in
+        gpu_fence(FENCE)
         offs = tl.arange(0, EP)
         vals = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"), cache_modifier=".cg")
         _topk_softmax(vals.to(tl.float32), offs, w_ptr, ids_ptr, K, EP, KP)

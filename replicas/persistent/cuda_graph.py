@@ -64,8 +64,12 @@ class QuantumBuffers:
     state: torch.Tensor
     out: torch.Tensor
 
-    TABLE = 3 + MAX_STOP_IDS
-    """Offset of ``block_table`` in ``state``: a following launch stages ``state[TABLE - MAX_STOP_IDS:]``."""
+    STOPS = 3
+    """Offset of ``stop_ids`` in ``state``: a following launch stages ``state[STOPS:]`` (the token, position
+    and alive flag before it stay as the quantum before left them)."""
+
+    TABLE = STOPS + MAX_STOP_IDS
+    """Offset of ``block_table`` in ``state``."""
 
     @classmethod
     def allocate(cls, max_blocks: int, device: torch.device) -> QuantumBuffers:
@@ -86,7 +90,7 @@ class QuantumBuffers:
 
     @property
     def stop_ids(self) -> torch.Tensor:
-        return self.state[3:self.TABLE]
+        return self.state[self.STOPS:self.TABLE]
 
     @property
     def block_table(self) -> torch.Tensor:
@@ -108,7 +112,8 @@ def greedy_step_reference(logits: torch.Tensor, state: torch.Tensor, out: torch.
     ``alive = 0`` on a stop id, ``state[0] = token``, ``state[1] += 1``. Shapes as :class:`QuantumBuffers`."""
     q = out.numel() - 1
     nxt = logits.argmax(-1)  # [1]
-    token, position, alive, stop_ids = state[0:1], state[1:2], state[2:3], state[3:3 + max_stop]
+    stops = QuantumBuffers.STOPS
+    token, position, alive, stop_ids = state[0:1], state[1:2], state[2:3], state[stops:stops + max_stop]
     out[step:step + 1].copy_(nxt)
     if step == 0:
         out[q:].zero_()
@@ -239,11 +244,11 @@ class CudaGraphBackend(PipelinedBackend):
         b, stage = self.buffers, self._stage_np[slot]
         stop, pages = req.stop_set, req.full_block_map.numel()
         stage[0], stage[1], stage[2] = req.pending_token, req.committed_kv_length, 1
-        stage[3:b.TABLE] = -1
-        stage[3:3 + len(stop)] = stop
+        stage[b.STOPS:b.TABLE] = -1
+        stage[b.STOPS:b.STOPS + len(stop)] = stop
         stage[b.TABLE:b.TABLE + pages] = req.full_block_map.cpu().numpy()
         stage[b.TABLE + pages:] = 0
-        first = 3 if follows else 0  # a follower keeps the token, position and alive flag on the device
+        first = b.STOPS if follows else 0  # a follower keeps the token, position and alive flag on the device
         try:
             b.state[first:].copy_(self._staging[slot, first:], non_blocking=True)
             if self.use_graphs:
