@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.pools import PoolConfig, persistent_pool_defaults, standard_pool_defaults
-from ops.tracing import TracingConfig
+from ops.telemetry.tracing import TracingConfig
 from policy import Mode
 from replicas.config import EngineConfig
 from replicas.persistent.checkpoint import CheckpointError, check_checkpoint_dir

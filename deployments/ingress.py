@@ -48,7 +48,7 @@ from deployments.tokenize_api import (
     encode_prompt,
     tokenize,
 )
-from ops.tracing import (
+from ops.telemetry.tracing import (
     ATTR_GEN_AI_INPUT_TOKENS,
     ATTR_GEN_AI_MAX_TOKENS,
     ATTR_GEN_AI_MODEL,

@@ -18,7 +18,7 @@ from ray import serve
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ops.tracing import (
+from ops.telemetry.tracing import (
     ATTR_LANE,
     ATTR_REQUEST_ID,
     SPAN_REPLICA,

@@ -3,8 +3,8 @@
 It runs inside the ingress process, so routing adds no Ray hop: the request
 goes ingress → replica → engine actor. Every request gets a ``route`` span;
 every request that could have gone persistent but did not gets a ``fallback``
-span with the reason and stage (``ops.tracing``) and increments
-``fallbacks_total{reason,stage}`` (``ops.metrics``). The ``route`` span's trace
+span with the reason and stage (``ops.telemetry.tracing``) and increments
+``fallbacks_total{reason,stage}`` (``ops.telemetry.metrics``). The ``route`` span's trace
 context travels to the replica inside ``GenerateRequest.trace_context`` (with the
 ``sampled`` flag forced once the request falls back, so fallback traces are kept).
 
@@ -32,8 +32,8 @@ from collections.abc import AsyncIterator
 from opentelemetry import trace
 from ray.serve.exceptions import BackPressureError
 
-from ops.metrics import RequestClock, get_metrics
-from ops.tracing import (
+from ops.telemetry.metrics import RequestClock, get_metrics
+from ops.telemetry.tracing import (
     ATTR_GEN_AI_TEMPERATURE,
     ATTR_LANE,
     ATTR_REASON,

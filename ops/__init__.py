@@ -1,0 +1,10 @@
+"""Operating the service.
+
+Two halves that point one way:
+
+- :mod:`ops.telemetry`: tracing, trace sampling, metrics and the engine's telemetry. The serving
+  path (``deployments/``, ``replicas/engine_actor.py``) may import it.
+- :mod:`ops.bench` (benchmarks) and :mod:`ops.tools` (GSM8K evaluation, soak, tiny-model maker,
+  persistent-checkpoint tool): offline tools that import the runtime. Nothing in ``replicas/`` or
+  ``deployments/`` imports them (``tests/test_layering.py`` checks it).
+"""

@@ -74,9 +74,9 @@ class EngineActor:
         checkpoint: persistent-decoder checkpoint directory, or None.
         fault_injection: tests only: wrap the persistent backend so it fails on
             schedule (:class:`~replicas.persistent.faults.FaultInjection`); None in production.
-        tracing: an ``ops.tracing.TracingConfig`` for this process's spans (None: from ``OTEL_*``).
+        tracing: an ``ops.telemetry.tracing.TracingConfig`` for this process's spans (None: from ``OTEL_*``).
 
-    Telemetry (``ops.engine_telemetry``, built here once and injected into the lanes): a
+    Telemetry (``ops.telemetry.engine_telemetry``, built here once and injected into the lanes): a
     ``generation`` span per request, child of the caller's span named by
     ``GenerateRequest.trace_context``; ``quantum`` spans; queue-time, quanta, KV-page and
     decoder-health metrics.
@@ -123,7 +123,9 @@ class EngineActor:
                     ) from exc
                 logger.warning("persistent decoder could not bind the KV cache (%s); requests will fall back", exc)
                 self.persistent = PersistentLane(self.core, None, f"{exc.reason}: {exc}")
-        from ops.engine_telemetry import build_engine_telemetry  # start-up only, never per token
+        from ops.telemetry.engine_telemetry import (
+            build_engine_telemetry,  # start-up only, never per token
+        )
 
         backend_name = self.persistent.backend.name if self.persistent and self.persistent.backend else None
         self.telemetry = build_engine_telemetry(lane, config.name, backend_name, tracing)

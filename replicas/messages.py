@@ -28,7 +28,7 @@ class GenerateRequest:
         kv_transfer: disaggregated-serving KV transfer was requested.
         trace_context: W3C trace context carrier (``{"traceparent": ...}``) of
             the caller's span; each Ray hop replaces it with its own span's so
-            the next hop's span is its child (``ops.tracing.inject_context``).
+            the next hop's span is its child (``ops.telemetry.tracing.inject_context``).
         lane_override: ``"standard"`` or ``"persistent"`` when the client forced
             a lane (request header ``x-lane``), else None.
     """

@@ -53,7 +53,7 @@ MAX_PAIRS = 128
 
 
 TILE_OVERRIDES: dict[str, int] = {}
-"""Tiles that win over :func:`cuda_moe_bulk`'s arguments (``ops.bench_engine --variants "bulk=stages:1"``)."""
+"""Tiles that win over :func:`cuda_moe_bulk`'s arguments (``ops.bench.engine --variants "bulk=stages:1"``)."""
 
 
 def _c_string(text: str) -> str:
@@ -360,7 +360,7 @@ def cuda_moe_bulk(
             else 1). stages: tiles in flight per block.
         repacked: the packed blocks are in :mod:`~replicas.kernels.mxfp4_decode_layout`'s bit layout
             (:func:`~replicas.kernels.mxfp4_decode_layout.repack_`), which decodes in fewer instructions.
-            Defaults: the fastest of ``python -m ops.bench_kernels --kernels bulk`` on an H200 at
+            Defaults: the fastest of ``python -m ops.bench.kernels --kernels bulk`` on an H200 at
             gpt-oss-120b's shape.
 
     Returns:

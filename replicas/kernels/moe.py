@@ -33,7 +33,7 @@ which stays exact; ``gemv`` — inline-PTX E2M1 decoding straight to fp32, exact
 cores (:mod:`replicas.kernels.triton_moe_gemv`); ``mma`` — inline-PTX decoding to fp16 + ``tl.dot`` (:mod:`replicas.kernels.triton_moe_mma`);
 ``scaled`` — ``tl.dot_scaled`` (:mod:`replicas.kernels.triton_moe_scaled`); ``simt`` — the portable
 scalar kernels of :mod:`replicas.kernels.triton_moe` (also used on ROCm). Environment
-``PERSISTENT_SERVE_MOE_KERNEL`` selects one; ``python -m ops.bench_kernels`` compares them."""
+``PERSISTENT_SERVE_MOE_KERNEL`` selects one; ``python -m ops.bench.kernels`` compares them."""
 
 _PARTIALS = {"tc": ("replicas.kernels.triton_moe_tc", "triton_moe_tc"),
              "bulk": ("replicas.kernels.cuda_moe_bulk", "cuda_moe_bulk"),

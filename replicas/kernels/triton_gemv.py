@@ -92,7 +92,7 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """``F.linear(x, weight, bias)`` for one row: ``x`` ``[1, K]``, ``weight`` ``[N, K]`` (unit stride along
     K), ``bias`` ``[N]`` or None → ``[1, N]`` in ``x.dtype``, summed in fp32.
 
-    Tile defaults (``block_k``/``num_warps`` None): the fastest of ``python -m ops.bench_kernels
+    Tile defaults (``block_k``/``num_warps`` None): the fastest of ``python -m ops.bench.kernels
     --kernels dense`` on an H200 at gpt-oss-120b's shapes: 256 columns and 4 warps for the qkv and o
     projections (9.4 and 8.2 us: 3.1 and 2.9 TB/s), 512 columns and 8 warps for narrow outputs such as the
     router (N = 128: 2.1 us, where cuBLAS took 6.1 us).

@@ -3,7 +3,7 @@
 Why: decoding E2M1 one value at a time with scalar integer and conversion
 instructions costs ~14 instructions per weight, which makes the plain kernels
 of :mod:`replicas.kernels.triton_moe` ALU-bound at ~650 GB/s on an H200
-(``python -m ops.bench_kernels``). Here four packed bytes (eight E2M1 codes)
+(``python -m ops.bench.kernels``). Here four packed bytes (eight E2M1 codes)
 are turned into eight fp16 values with ~22 32-bit integer instructions of
 inline PTX (``prmt`` + masks/shifts, two values per register), and the dot
 products run on tensor cores (``tl.dot``), each 32-value block's E8M0 scale
@@ -185,7 +185,7 @@ def triton_moe_partials(
     Args: as :func:`replicas.kernels.triton_moe.triton_moe` (``x`` ``[T, hidden]`` bf16/fp16/fp32;
     activations must fit fp16: GPT-OSS's normed inputs and clamped SwiGLU outputs do), plus
     ``splits``: programs sharing one row block along the input dimension (more loads in flight).
-    Defaults: the fastest of ``python -m ops.bench_kernels`` on an H200 at gpt-oss-120b's shape.
+    Defaults: the fastest of ``python -m ops.bench.kernels`` on an H200 at gpt-oss-120b's shape.
 
     Returns:
         ``[T, K * splits, hidden]`` fp32 partials; ``x + partials.sum(1)`` (in order) is the MoE layer

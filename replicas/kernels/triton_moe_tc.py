@@ -470,7 +470,7 @@ def mxfp4_activations(x: torch.Tensor) -> torch.Tensor:
 
 def _tile_overrides() -> dict[str, int]:
     """``PERSISTENT_SERVE_MOE_TC="pairs=2,down_depth=2"``: these tiles win over :func:`triton_moe_tc`'s
-    arguments (for benchmarking a configuration end to end with ``ops.bench_engine``)."""
+    arguments (for benchmarking a configuration end to end with ``ops.bench.engine``)."""
     spec = os.environ.get("PERSISTENT_SERVE_MOE_TC", "")
     return {k.strip(): int(v) for k, v in (item.split("=") for item in spec.split(",") if item.strip())}
 
@@ -509,7 +509,7 @@ def triton_moe_tc(
             add+RMSNorm launch that produced ``x``; computed here (torch ops) when None.
         num_warps: per program (16 rows); the warps split the rows' 32-value blocks. down_num_warps: the
             down launch's (None: ``num_warps``). Defaults of all tiles: the fastest of ``python -m
-            ops.bench_kernels --kernels tc`` on an H200 at gpt-oss-120b's shape (25.8 us per layer).
+            ops.bench.kernels --kernels tc`` on an H200 at gpt-oss-120b's shape (25.8 us per layer).
         depth: steps of loads in flight ahead of the MMAs (1 or 2); down_depth: the down launch's (None:
             ``depth``).
         pairs: row pairs per lane (1 or 2: 16 or 32 rows per program, the second pair sharing the first's

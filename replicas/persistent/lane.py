@@ -97,7 +97,7 @@ class PersistentLane:
     ) -> Iterator[GenerationChunk | Rejection | GenerationError]:
         """Serve one request; yields a Rejection, or chunks, or chunks then an error.
 
-        ``telemetry`` (optional, injected by the engine actor: ``ops.engine_telemetry.RequestTelemetry``)
+        ``telemetry`` (optional, injected by the engine actor: ``ops.telemetry.engine_telemetry.RequestTelemetry``)
         is told when the prefill starts (``scheduled()``) and about every quantum (``quantum(...)``).
         """
         try:

@@ -35,7 +35,7 @@ def otlp():
 @pytest.fixture(scope="session")
 def tiny_gpt_oss(tmp_path_factory):
     """A tiny random GPT-OSS checkpoint (HF format, MXFP4 experts) written by our maker."""
-    from ops.make_tiny_gpt_oss import make_tiny_gpt_oss
+    from ops.tools.make_tiny_gpt_oss import make_tiny_gpt_oss
 
     return make_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss") / "model")
 

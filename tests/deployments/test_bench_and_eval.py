@@ -1,4 +1,4 @@
-"""``ops.bench_serve`` and ``ops.eval_gsm8k`` end to end against the session's real server (SmolLM2)."""
+"""``ops.bench.serve`` and ``ops.tools.eval_gsm8k`` end to end against the session's real server (SmolLM2)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from ops import bench_serve, eval_gsm8k, gsm8k
+from ops.bench import serve as bench_serve
+from ops.tools import eval_gsm8k, gsm8k
 
 pytestmark = pytest.mark.ray
 

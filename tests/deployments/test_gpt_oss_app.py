@@ -1,4 +1,4 @@
-"""`serve run` of a GPT-OSS checkpoint on CPU: the tiny random model written by ops/make_tiny_gpt_oss.py.
+"""`serve run` of a GPT-OSS checkpoint on CPU: the tiny random model written by ops/tools/make_tiny_gpt_oss.py.
 
 Its weights are random, so the text is noise; what is checked is that the real
 app serves the GPT-OSS architecture end to end on both lanes and that greedy

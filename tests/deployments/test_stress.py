@@ -13,7 +13,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, settings
 
-from ops.soak import soak
+from ops.tools.soak import soak
 from tests.deployments.conftest import assert_pages_returned, extra_app
 
 schemathesis = pytest.importorskip("schemathesis")

@@ -70,7 +70,7 @@ def _lanes_agree(core, vocab: int, prompts_n: int = 20, tokens: int = 128, stand
 
 
 def test_smollm2_shape_random_weights_20_prompts_x_128_tokens():
-    from ops.bench_engine import SMOLLM2_135M, build_core
+    from ops.bench.engine import SMOLLM2_135M, build_core
 
     core = build_core(SMOLLM2_135M, torch.device("cuda"), torch.float32, max_model_len=512)
     core.model.lm_head.weight.data.mul_(20)  # spread the random logits: wide argmax margins
@@ -79,15 +79,15 @@ def test_smollm2_shape_random_weights_20_prompts_x_128_tokens():
 
 @pytest.mark.skipif(not os.environ.get("SMOLLM2_PATH"), reason="set SMOLLM2_PATH to the SmolLM2 GGUF or HF dir")
 def test_smollm2_real_weights_20_prompts_x_128_tokens():
-    from ops.bench_engine import load_smollm2_core
+    from ops.bench.engine import load_smollm2_core
 
     core = load_smollm2_core(os.environ["SMOLLM2_PATH"], torch.device("cuda"), torch.float32, max_model_len=512)
     _lanes_agree(core, 49152)
 
 
 def test_small_random_gpt_oss_20_prompts_x_128_tokens():
-    from ops.bench_engine import build_gpt_oss_core
-    from ops.make_tiny_gpt_oss import real_config
+    from ops.bench.engine import build_gpt_oss_core
+    from ops.tools.make_tiny_gpt_oss import real_config
 
     core = build_gpt_oss_core({**real_config("20b"), **SMALL_GPT_OSS}, torch.device("cuda"), torch.float32,
                               max_model_len=512)

@@ -29,7 +29,7 @@ def test_gemv_swiglu_epilogue_bf16():
 
 
 def test_llama_bf16_decode_steps_follow_the_fp32_model():
-    from ops.bench_engine import SMOLLM2_135M, build_core
+    from ops.bench.engine import SMOLLM2_135M, build_core
     from replicas.kernels.paged_attention import PAGE_SIZE
 
     model = build_core(SMOLLM2_135M, torch.device("cuda"), torch.bfloat16, max_model_len=256).model
@@ -57,7 +57,7 @@ def test_llama_bf16_decode_steps_follow_the_fp32_model():
 
 
 def test_smollm2_shape_bf16_lanes_agree_at_batch_one():
-    from ops.bench_engine import SMOLLM2_135M, build_core
+    from ops.bench.engine import SMOLLM2_135M, build_core
     from tests.gpu.test_cuda_graph_lane import _lanes_agree
 
     core = build_core(SMOLLM2_135M, torch.device("cuda"), torch.bfloat16, max_model_len=512)

@@ -1,4 +1,4 @@
-"""``ops.bench_ablation``: its ablations name only functions the decode step really calls, and it refuses
+"""``ops.bench.ablation``: its ablations name only functions the decode step really calls, and it refuses
 to run without a GPU with a clear message (its timings run on the H200 through ``device``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from ops import bench_ablation
+from ops.bench import ablation as bench_ablation
 from replicas.models import gpt_oss
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ops.bench_engine import bytes_per_token, main, shape_config
+from ops.bench.engine import bytes_per_token, main, shape_config
 
 
 def test_cpu_mode_runs_all_lanes_on_both_model_families(capsys, tmp_path):
@@ -37,7 +37,7 @@ def test_bytes_per_token_at_the_real_gpt_oss_shapes(shape, gigabytes):
 
 
 def test_variants_apply_settings_then_restore_them():
-    from ops.bench_engine import variant
+    from ops.bench.engine import variant
     from replicas.kernels import moe
 
     before = moe.MOE_KERNEL

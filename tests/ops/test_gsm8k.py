@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ops import gsm8k
-from ops.eval_gsm8k import first_divergence
+from ops.tools import gsm8k
+from ops.tools.eval_gsm8k import first_divergence
 
 SAMPLE_TEST = gsm8k.SAMPLE_DIR / "test_head4.jsonl"
 SAMPLE_SHOTS = gsm8k.SAMPLE_DIR / "train_head3.jsonl"

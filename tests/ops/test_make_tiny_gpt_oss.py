@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ops.make_tiny_gpt_oss import (
+from ops.tools.make_tiny_gpt_oss import (
     checkpoint_bytes,
     main,
     model_config,

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ops.persistent_checkpoint import (
+from ops.tools.persistent_checkpoint import (
     SourceError,
     compile_checkpoint,
     main,
@@ -432,13 +432,13 @@ def run_module(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_validate_exits_zero_ok_and_non_zero_with_one_line(compiled, tmp_path):
-    ok = run_module("-m", "ops.persistent_checkpoint", "validate", str(compiled), "--verify-sha256")
+    ok = run_module("-m", "ops.tools.persistent_checkpoint", "validate", str(compiled), "--verify-sha256")
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith(f"OK: {13 * LAYERS + 3} tensors") and "sha256 verified" in ok.stdout
 
     ckpt = copy_of(compiled, tmp_path)
     _shard_of(ckpt, "embed.weight").unlink()
-    bad = run_module("-m", "ops.persistent_checkpoint", "validate", str(ckpt))
+    bad = run_module("-m", "ops.tools.persistent_checkpoint", "validate", str(ckpt))
     assert bad.returncode == 1 and bad.stdout == ""
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("INVALID [missing_shard]")
@@ -460,7 +460,7 @@ def test_checking_and_validating_import_no_torch(compiled):
         "from replicas.persistent.checkpoint import check_checkpoint_dir, validate_checkpoint\n"
         f"check_checkpoint_dir({str(compiled)!r})\n"
         f"validate_checkpoint({str(compiled)!r}, verify_sha256=True)\n"
-        "from ops.persistent_checkpoint import main\n"
+        "from ops.tools.persistent_checkpoint import main\n"
         f"assert main(['validate', {str(compiled)!r}]) == 0\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'safetensors', 'numpy'))\n"
         "assert not heavy, heavy\n"

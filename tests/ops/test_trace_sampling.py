@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from ops import tracing
-from ops.tracing import (
+from ops.telemetry import tracing
+from ops.telemetry.tracing import (
     TracingConfig,
     extract_context,
     force_flush,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ops import tracing
-from ops.tracing import (
+from ops.telemetry import tracing
+from ops.telemetry.tracing import (
     ATTR_FALLBACK_REASON,
     ATTR_FALLBACK_STAGE,
     ATTR_LANE,
@@ -281,7 +281,7 @@ def test_force_flush_and_shutdown_without_setup() -> None:
 
 def test_importing_tracing_pulls_in_neither_torch_nor_ray() -> None:
     code = (
-        "import sys, ops.tracing; "
+        "import sys, ops.telemetry.tracing; "
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray'}); "
         "assert not heavy, heavy"
     )

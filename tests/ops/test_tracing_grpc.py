@@ -15,8 +15,14 @@ from opentelemetry.proto.collector.trace.v1 import (  # noqa: E402
     trace_service_pb2_grpc,
 )
 
-from ops import tracing  # noqa: E402
-from ops.tracing import TracingConfig, force_flush, record_fallback, route_span, setup_tracing  # noqa: E402
+from ops.telemetry import tracing  # noqa: E402
+from ops.telemetry.tracing import (  # noqa: E402
+    TracingConfig,
+    force_flush,
+    record_fallback,
+    route_span,
+    setup_tracing,
+)
 
 
 class _Collector(trace_service_pb2_grpc.TraceServiceServicer):

@@ -100,7 +100,7 @@ def test_a_model_limits_its_graph_buckets():
 
 def test_batched_static_decode_step_equals_the_eager_forward_gpt_oss(tmp_path):
     """The same on a tiny random GPT-OSS (sinks, sliding window, MXFP4 experts routed per row)."""
-    from ops.make_tiny_gpt_oss import make_tiny_gpt_oss
+    from ops.tools.make_tiny_gpt_oss import make_tiny_gpt_oss
     from replicas.config import EngineConfig
     from replicas.engine import EngineCore
     from tests.replicas.conftest import TORCH_THREADS

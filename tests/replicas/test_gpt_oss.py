@@ -2,7 +2,7 @@
 
 A tiny random GPT-OSS (4 layers, 8 experts, hidden 64, 8 q / 2 kv heads of
 head_dim 16, MXFP4 experts, YaRN RoPE, sliding window 128 on even layers) is
-written by ``ops.make_tiny_gpt_oss`` into a temp dir and loaded by our engine
+written by ``ops.tools.make_tiny_gpt_oss`` into a temp dir and loaded by our engine
 and by transformers (which dequantizes the MXFP4 experts on CPU itself), both
 in fp32. Prompts of 150-200 tokens are longer than the window and cross page
 boundaries; pages are deliberately non-contiguous.
@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ops.make_tiny_gpt_oss import make_tiny_gpt_oss
+from ops.tools.make_tiny_gpt_oss import make_tiny_gpt_oss
 from replicas.config import EngineConfig
 from replicas.engine import EngineCore, LLMEngine
 from replicas.kernels import paged_attention as pa

@@ -10,7 +10,7 @@ Starts a local Ray cluster, deploys the app on the embedded model, then times
 * ``http_1_token``: HTTP greedy chat with ``max_tokens=1`` (proxy → ingress →
   replica → actor → prefill), and the same request's engine time alone.
 
-Usage: ``python -m ops.bench_hops --iters 200``
+Usage: ``python -m ops.bench.hops --iters 200``
 """
 
 from __future__ import annotations

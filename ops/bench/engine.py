@@ -27,9 +27,9 @@ the ``K`` routed experts of ``E``) + the KV read at the mean context (window-
 limited on sliding layers); the floor is that over the HBM bandwidth
 (``--bandwidth-tbps``, H200: 4.8).
 
-Usage (H200): ``python -m ops.bench_engine --hf-compile --smollm2 PATH --write-docs``
+Usage (H200): ``python -m ops.bench.engine --hf-compile --smollm2 PATH --write-docs``
 (``--profile`` adds the per-kernel breakdown of the last shape);
-CPU smoke run: ``python -m ops.bench_engine --device cpu --tiny``.
+CPU smoke run: ``python -m ops.bench.engine --device cpu --tiny``.
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ SHAPES = ("smollm2-135m", "gpt-oss-20b", "gpt-oss-120b")
 
 def shape_config(shape: str) -> dict:
     """The architecture of a benchmark shape (``tiny`` / ``tiny-gpt-oss`` are CPU smoke shapes)."""
-    from ops.make_tiny_gpt_oss import real_config
+    from ops.tools.make_tiny_gpt_oss import real_config
 
     if shape == "smollm2-135m":
         return SMOLLM2_135M
@@ -586,7 +586,7 @@ def profile_rows(backend, context: int, label: str, args) -> str:
     if args.write_docs:
         write_docs(text, args, marker=f"{args.docs_section}_profile",
                    title=f"Where a decode step's time goes: {label} (`--profile`)",
-                   command=f"python -m ops.bench_engine --profile --shapes {args.shapes}")
+                   command=f"python -m ops.bench.engine --profile --shapes {args.shapes}")
     return text
 
 
@@ -669,7 +669,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     text = table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2))
-    docs = Path(__file__).resolve().parents[1] / "docs"
+    docs = Path(__file__).resolve().parents[2] / "docs"
     if args.write_docs:
         write_docs(text, args)
         (docs / f"{args.docs_section}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
@@ -684,8 +684,8 @@ def write_docs(text: str, args, marker: str | None = None, title: str | None = N
                command: str | None = None) -> None:
     """Replace (or append) the section between ``<!-- marker:start/end -->`` in docs/benchmarks.md."""
     marker = marker or args.docs_section
-    title = title or f"Engine, batch one: {args.shapes} (`ops/bench_engine.py`)"
-    path = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+    title = title or f"Engine, batch one: {args.shapes} (`ops/bench/engine.py`)"
+    path = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
     if command is None:
         flags = [f"--shapes {args.shapes}", f"--docs-section {args.docs_section}", f"--prompt-len {args.prompt_len}",
@@ -694,7 +694,7 @@ def write_docs(text: str, args, marker: str | None = None, title: str | None = N
                                         ("--no-hf", args.no_hf), ("--profile", args.profile)) if on]
         flags += [f"--moe-kernels {args.moe_kernels}"] if args.moe_kernels else []
         flags += [f"--variants '{args.variants}'"] if args.variants else []
-        command = "python -m ops.bench_engine " + " ".join(flags)
+        command = "python -m ops.bench.engine " + " ".join(flags)
     section = f"{start}\n## {title}\n\nCommand: `{command}`\nMachine: {machine()}\n\n{text}\n{end}"
     doc = path.read_text() if path.exists() else "# Benchmarks\n"
     if start in doc:

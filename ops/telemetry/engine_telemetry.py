@@ -5,7 +5,7 @@ place ``replicas/`` touches ``ops/``, and not a hot path) and asks it for a
 :class:`RequestTelemetry` per request. The lanes only call methods on that
 object (``scheduled``, ``quantum``); they import nothing from here.
 
-Spans (names and attributes from :mod:`ops.tracing`):
+Spans (names and attributes from :mod:`ops.telemetry.tracing`):
 
 * ``generation``: one per request in the engine actor, child of the replica's
   ``replica.generate`` span through the ``traceparent`` carried in
@@ -23,7 +23,7 @@ import time
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from ops.tracing import (
+from ops.telemetry.tracing import (
     ATTR_GEN_AI_FINISH_REASONS,
     ATTR_GEN_AI_INPUT_TOKENS,
     ATTR_GEN_AI_MAX_TOKENS,
@@ -111,8 +111,8 @@ class EngineTelemetry:
         lane: ``"persistent"`` or ``"standard"``.
         model: served model name (``gen_ai.request.model``).
         backend: persistent backend name, or None.
-        tracer: an OpenTelemetry tracer (``ops.tracing.get_tracer()``).
-        metrics: an ``ops.metrics.ServeMetrics``.
+        tracer: an OpenTelemetry tracer (``ops.telemetry.tracing.get_tracer()``).
+        metrics: an ``ops.telemetry.metrics.ServeMetrics``.
     """
 
     def __init__(self, lane: str, model: str, backend: str | None, tracer, metrics) -> None:
@@ -133,9 +133,9 @@ class EngineTelemetry:
 
 
 def build_engine_telemetry(lane: str, model: str, backend: str | None, tracing_config=None) -> EngineTelemetry:
-    """Set up tracing for this process (``tracing_config``: an ``ops.tracing.TracingConfig``) and build the telemetry."""
-    from ops.metrics import get_metrics
-    from ops.tracing import get_tracer, setup_tracing
+    """Set up tracing for this process (``tracing_config``: an ``ops.telemetry.tracing.TracingConfig``) and build the telemetry."""
+    from ops.telemetry.metrics import get_metrics
+    from ops.telemetry.tracing import get_tracer, setup_tracing
 
     setup_tracing(tracing_config)
     return EngineTelemetry(lane, model, backend, get_tracer(), get_metrics())

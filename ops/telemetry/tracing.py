@@ -60,7 +60,7 @@ from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, TraceFlags,
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ops.trace_sampling import KeepFallbacksProcessor, KeepFallbacksSampler
+from ops.telemetry.trace_sampling import KeepFallbacksProcessor, KeepFallbacksSampler
 
 __all__ = [
     "ATTR_FALLBACK_REASON",

@@ -2,9 +2,9 @@
 
 Usage::
 
-    python -m ops.persistent_checkpoint compile SRC DST [--shard-size-mb 2048] [--sha256]
+    python -m ops.tools.persistent_checkpoint compile SRC DST [--shard-size-mb 2048] [--sha256]
         [--model-family gpt-oss-120b|gpt-oss-20b|gpt-oss-tiny] [--model-revision REV]
-    python -m ops.persistent_checkpoint validate DIR [--verify-sha256]
+    python -m ops.tools.persistent_checkpoint validate DIR [--verify-sha256]
 
 ``compile`` reads ``SRC/config.json`` (``model_type`` ``gpt_oss``) and its
 safetensors files one tensor at a time (never the whole model), and writes to
@@ -405,7 +405,7 @@ def _describe(m: Manifest) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 1 invalid checkpoint or source)."""
-    parser = argparse.ArgumentParser(prog="python -m ops.persistent_checkpoint", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ops.tools.persistent_checkpoint", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compile", help="HF GPT-OSS directory -> persistent checkpoint")
     c.add_argument("src", type=Path)

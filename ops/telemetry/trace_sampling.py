@@ -9,7 +9,7 @@ the held spans (and later ones of the trace) are exported as sampled; otherwise
 they are dropped. Spans of sampled traces pass straight through.
 
 Across Ray hops the router sends the ``sampled`` flag downstream once it knows
-a request falls back (``ops.tracing.inject_context(force_sample=True)``), so the
+a request falls back (``ops.telemetry.tracing.inject_context(force_sample=True)``), so the
 downstream hops of a fallback trace are exported too.
 
 No torch, no ray.

@@ -9,7 +9,7 @@ once the load has stopped (every lane's ``kv_pages_free == kv_pages_total``).
 
 Usage::
 
-    python -m ops.soak --url http://127.0.0.1:8000 --requests 1000 --concurrency 16
+    python -m ops.tools.soak --url http://127.0.0.1:8000 --requests 1000 --concurrency 16
 
 Prints one JSON line with the counts and the wall time.
 """

@@ -1,6 +1,6 @@
 """Tiny random-weight GPT-OSS checkpoints in HF format, and the real 20b/120b tensor shapes.
 
-    python -m ops.make_tiny_gpt_oss OUT_DIR [--layers 4 --experts 8 --hidden 64 ...] [--seed 0]
+    python -m ops.tools.make_tiny_gpt_oss OUT_DIR [--layers 4 --experts 8 --hidden 64 ...] [--seed 0]
 
 writes ``config.json`` (``model_type`` gpt_oss, ``layer_types``, YaRN
 ``rope_scaling``, ``quantization_config`` mxfp4), ``generation_config.json``,
@@ -266,12 +266,12 @@ def make_tiny_gpt_oss(
     generation = {"bos_token_id": tok.bos_token_id, "eos_token_id": [tok.eos_token_id], "pad_token_id": tok.pad_token_id}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     tensors = _random_tensors(config, dtype, seed)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "source": "ops.make_tiny_gpt_oss"})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt", "source": "ops.tools.make_tiny_gpt_oss"})
     return out
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m ops.make_tiny_gpt_oss", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ops.tools.make_tiny_gpt_oss", description=__doc__.split("\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=8)

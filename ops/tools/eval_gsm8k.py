@@ -24,7 +24,7 @@ sample for CI.
 
 Usage::
 
-    python -m ops.eval_gsm8k --base-url http://127.0.0.1:8000 --limit 50 --seed 0 --json gsm8k.json
+    python -m ops.tools.eval_gsm8k --base-url http://127.0.0.1:8000 --limit 50 --seed 0 --json gsm8k.json
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 from tqdm.auto import tqdm
 
-from ops import gsm8k
+from ops.tools import gsm8k
 
 LANES = ("persistent", "standard")
 
@@ -134,7 +134,7 @@ def format_report(report: dict) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ops.eval_gsm8k", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ops.tools.eval_gsm8k", description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
     p.add_argument("--data-dir", type=Path, default=gsm8k.DEFAULT_DATA_DIR)

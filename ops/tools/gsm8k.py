@@ -1,4 +1,4 @@
-"""GSM8K data, few-shot prompts and answer extraction (shared by ``ops.eval_gsm8k`` and ``ops.bench_serve``).
+"""GSM8K data, few-shot prompts and answer extraction (shared by ``ops.tools.eval_gsm8k`` and ``ops.bench.serve``).
 
 Prompt format and the two answer extractors follow lm-evaluation-harness's
 ``gsm8k`` task (``Question: ...\\nAnswer: ...`` few-shot blocks; "strict-match"
@@ -15,11 +15,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "gsm8k"
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "gsm8k"
 """``../shared/data/gsm8k`` next to the repository (DESIGN.md "Data")."""
 TEST_FILE = "test.jsonl"
 FEWSHOT_FILE = "train_head50.jsonl"
-SAMPLE_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "gsm8k"
+SAMPLE_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "gsm8k"
 """The small committed sample (4 test problems, 3 few-shot examples) CI uses."""
 
 # lm-evaluation-harness gsm8k: strict "#### N", flexible "last number"

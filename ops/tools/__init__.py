@@ -1,0 +1,3 @@
+"""Offline tools: GSM8K evaluation (:mod:`.eval_gsm8k`, :mod:`.gsm8k`), the soak run (:mod:`.soak`),
+the tiny GPT-OSS maker (:mod:`.make_tiny_gpt_oss`) and the persistent-checkpoint tool
+(:mod:`.persistent_checkpoint`). The serving path never imports them."""
