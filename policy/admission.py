@@ -1,7 +1,10 @@
 """Persistent-lane admission: the seed's rules, checked in the seed's order.
 
 Source: the seed's (aiter MK1 integration) admission rules, DESIGN.md "Admission".
-Pure: no torch, no ray.
+Where our lane does more than the seed's (stop strings checked on the host after
+each quantum, proven token- and text-identical to the standard lane by
+``tests/replicas/test_stop_strings_lanes.py``), the rule is kept behind a flag
+that says so (``host_checks_stop_strings``). Pure: no torch, no ray.
 """
 
 from __future__ import annotations
@@ -30,10 +33,16 @@ class AdmissionInput:
         temperature: sampling temperature, >= 0.
         top_k: top-k sampling; ``None`` or <= 0 means disabled, 1 means greedy.
         logprobs: the request asks for logprobs.
-        has_logits_processing: the logits are changed before the argmax
-            (presence/frequency/repetition penalties, min_tokens bans): a
-            persistent decoder's plain on-device argmax would pick other tokens.
+        has_logits_processing: the logits are changed before every argmax
+            (presence/frequency/repetition penalties): a persistent decoder's
+            plain on-device argmax would pick other tokens. (``min_tokens``
+            bans are not counted: our lane applies them on the host, by
+            recomputing the one position where a banned token came out.)
         has_stop_strings: the request has stop strings.
+        host_checks_stop_strings: the persistent lane checks stop strings on
+            the host after each quantum and cuts the output there (ours does:
+            ``replicas.stops.accept_tokens``), so stop strings do not keep a
+            request off it; False restores the seed's rule (reason ``stop_strings``).
         has_stop_token_sequences: the request has multi-token stop sequences.
         kv_transfer: the request imports/exports KV cache.
         committed_tokens: tokens whose KV is in the cache (the prompt length
@@ -57,6 +66,7 @@ class AdmissionInput:
     logprobs: bool = False
     has_logits_processing: bool = False
     has_stop_strings: bool = False
+    host_checks_stop_strings: bool = True
     has_stop_token_sequences: bool = False
     kv_transfer: bool = False
     committed_tokens: int = 0
@@ -102,7 +112,7 @@ def check_admission(inp: AdmissionInput) -> Reason | None:
         (not inp.is_greedy, Reason.NON_GREEDY),
         (inp.logprobs, Reason.LOGPROBS),
         (inp.has_logits_processing, Reason.LOGITS_PROCESSING),
-        (inp.has_stop_strings, Reason.STOP_STRINGS),
+        (inp.has_stop_strings and not inp.host_checks_stop_strings, Reason.STOP_STRINGS),
         (inp.has_stop_token_sequences, Reason.STOP_TOKEN_SEQUENCES),
         (inp.kv_transfer, Reason.KV_TRANSFER),
         (inp.committed_tokens >= inp.max_model_len - 1, Reason.MAX_SEQUENCE_LENGTH),

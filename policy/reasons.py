@@ -36,9 +36,9 @@ class Reason(str, Enum):
     LOGPROBS = ("logprobs", "The request asks for logprobs.")
     LOGITS_PROCESSING = (
         "logits_processing",
-        "Greedy but the logits are changed first (penalties, min_tokens): ours, beyond the seed's list.",
+        "Greedy but penalties change the logits before every argmax: ours, beyond the seed's list.",
     )
-    STOP_STRINGS = ("stop_strings", "The request has stop strings.")
+    STOP_STRINGS = ("stop_strings", "Stop strings, on a persistent lane that cannot check them on the host per quantum.")
     STOP_TOKEN_SEQUENCES = ("stop_token_sequences", "The request has multi-token stop sequences.")
     KV_TRANSFER = ("kv_transfer", "The request imports or exports KV cache.")
     MAX_SEQUENCE_LENGTH = ("max_sequence_length", "Committed tokens >= max_model_len - 1.")

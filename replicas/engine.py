@@ -18,10 +18,10 @@ from replicas.messages import GenerationChunk, TokenLogprobs
 from replicas.model_runner import ModelRunner
 from replicas.models.loader import resolve_model
 from replicas.models.registry import load_model
-from replicas.request import FinishReason, Request, SamplingParams
-from replicas.sampler import SamplingRow, make_generator, sample_rows
+from replicas.request import Request, SamplingParams
+from replicas.sampler import SamplingRow, make_generator, min_tokens_banned_ids, sample_rows
 from replicas.scheduler import Scheduler, SchedulerConfig
-from replicas.stops import check_stop
+from replicas.stops import accept_tokens
 
 
 @dataclass
@@ -137,7 +137,7 @@ class LLMEngine:
             req = Request(seq_id, list(prompt_token_ids), p, index=i, leader=leader)
             if leader is None and params.n > 1 and self.core.allocator.enable_prefix_caching:
                 leader = req
-            detok = IncrementalDetokenizer(self.core.tokenizer, p.stop)
+            detok = IncrementalDetokenizer(self.core.tokenizer, p.stop, p.include_stop_str_in_output)
             self._tracked[seq_id] = _Tracked(req, request_id, detok, make_generator(p, self.core.runner.device))
             children.append(seq_id)
             self.scheduler.add(req)
@@ -183,19 +183,13 @@ class LLMEngine:
 
     def _sampling_row(self, t: _Tracked) -> SamplingRow:
         req, p = t.req, t.req.params
-        banned: frozenset[int] = frozenset()
-        if req.num_output_tokens < p.min_tokens:
-            banned = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.core.eos_token_ids)
+        banned = min_tokens_banned_ids(p, req.num_output_tokens, self.core.eos_token_ids)
         return SamplingRow(p, t.generator, req.prompt_token_ids, req.output_token_ids, banned)
 
     def _postprocess(self, t: _Tracked, token: int, logprobs: TokenLogprobs | None) -> GenerationChunk:
         req = t.req
-        req.output_token_ids.append(token)
-        past_min = req.num_output_tokens >= req.params.min_tokens
-        finish = check_stop(req, self.core.eos_token_ids, self.core.config.max_model_len)
-        text = t.detok.append([token], final=finish is not None, check_stops=past_min)
-        if t.detok.stopped_on is not None:
-            finish = FinishReason.STOP
+        accepted = accept_tokens(req, t.detok, [token], self.core.eos_token_ids, self.core.config.max_model_len)
+        finish, text = accepted.finish, accepted.text
         chunk = GenerationChunk(
             request_id=t.parent_id, token_ids=[token], text=text,
             finish_reason=finish.value if finish else None,

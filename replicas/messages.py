@@ -50,12 +50,15 @@ class GenerateRequest:
         return self.params.logprobs is not None
 
     def admission_input(self, max_model_len: int, enabled: bool = True, queued_requests: int = 0) -> AdmissionInput:
-        """The facts ``policy.check_admission`` needs about this request (router and lane ask the same way)."""
+        """The facts ``policy.check_admission`` needs about this request (router and lane ask the same way).
+
+        ``min_tokens`` is not logits processing here: the persistent lane applies its bans on the host
+        (``PersistentLane._min_tokens_ban_index``); penalties are."""
         p = self.params
         return AdmissionInput(
             enabled=enabled, queued_requests=queued_requests, num_sequences=p.n,
             temperature=p.temperature, top_k=p.top_k, logprobs=self.logprobs,
-            has_logits_processing=p.has_logits_processing, has_stop_strings=bool(p.stop),
+            has_logits_processing=p.has_penalties, has_stop_strings=bool(p.stop),
             has_stop_token_sequences=self.has_stop_token_sequences, kv_transfer=self.kv_transfer,
             committed_tokens=len(self.prompt_token_ids), max_model_len=max_model_len,
             remaining_output_tokens=p.max_tokens,

@@ -20,7 +20,10 @@ class SamplingParams:
         top_k: keep the k most likely tokens; ``None`` or 0 disables.
         seed: per-request RNG seed (same seed, same output), or None.
         stop: stop strings; the matched text is not returned.
-        stop_token_ids: extra token ids that end generation (kept in the output ids).
+        stop_token_ids: extra token ids that end generation (kept in the output ids; their text is
+            not returned, as EOS's).
+        include_stop_str_in_output: vLLM's flag: return the matched stop string, and the text of a
+            stop token that ended generation.
         ignore_eos: keep going past EOS ids.
         n: independent completions of the same prompt (share the prompt's KV pages).
         min_p: drop tokens whose probability is below ``min_p`` x the top
@@ -34,6 +37,9 @@ class SamplingParams:
             checked, until this many tokens were generated.
         logprobs: None for no logprobs; k >= 0 to return the sampled token's
             log-probability plus the k most likely tokens' (from the raw logits).
+        prompt_logprobs: None, or k >= 0 to return each prompt token's
+            log-probability (given the tokens before it) plus the k most likely
+            tokens' at that position; the first prompt token has none.
     """
 
     max_tokens: int = 16
@@ -51,6 +57,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -73,6 +81,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
 
     @property
     def has_penalties(self) -> bool:
@@ -133,6 +143,10 @@ class Request:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at (last) admission."""
     num_preemptions: int = 0
+    prompt_logprobs: list | None = None
+    """With ``params.prompt_logprobs``: per prompt position so far, its
+    :class:`~replicas.messages.TokenLogprobs` (None for position 0); filled chunk by chunk as the
+    prompt is prefilled, kept across a preemption (the recomputed positions are not added twice)."""
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -4,9 +4,10 @@ Against a running server, for each selected GSM8K test problem and each lane
 in ``--lanes`` (forced with the ``x-lane`` request header), one greedy
 ``/v1/completions`` request with the ``--num-fewshot``-shot prompt
 (``Question: ...\\nAnswer: ...`` blocks from the few-shot file, as
-lm-evaluation-harness's ``gsm8k`` task). No stop strings are sent (a stop string
-keeps a request off the persistent lane); each completion is cut at the next
-``Question:`` before scoring, while equivalence compares the raw completions.
+lm-evaluation-harness's ``gsm8k`` task). No stop strings are sent, so that
+equivalence compares the raw completions over their whole length; each
+completion is cut at the next ``Question:`` before scoring. (lm-eval itself
+sends its stop strings; both lanes serve them: ``tests/lmeval``.)
 
 Scores per lane: strict match (``#### N`` equals the reference number) and
 flexible extraction (the last number in the completion equals it).

@@ -45,7 +45,8 @@ from replicas.persistent.contract import (
 )
 from replicas.persistent.eager import EagerBackend
 from replicas.request import FinishReason, Request
-from replicas.stops import check_stop
+from replicas.sampler import SamplingRow, min_tokens_banned_ids, sample_rows
+from replicas.stops import accept_tokens
 
 LANE = "persistent"
 
@@ -70,6 +71,8 @@ class PersistentLane:
         self._busy = threading.Lock()
         self._reference: EagerBackend | None = None
         self.quanta_run = 0
+        self.min_tokens_recomputes = 0
+        """Positions recomputed on the host because the device's argmax took an id ``min_tokens`` bans there."""
         if backend is not None:
             backend.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
 
@@ -126,7 +129,7 @@ class PersistentLane:
             yield Rejection(req.request_id, "persistent_capacity", lane=LANE, detail="no free KV pages for the prompt")
             return
         core.allocator.grow(req.block_table, req.num_prompt_tokens)
-        detok = IncrementalDetokenizer(core.tokenizer, req.params.stop)
+        detok = IncrementalDetokenizer(core.tokenizer, req.params.stop, req.params.include_stop_str_in_output)
         if telemetry is not None:
             telemetry.scheduled()
         try:
@@ -135,7 +138,7 @@ class PersistentLane:
             yield GenerationError(req.request_id, f"prefill failed: {exc}", LANE, stage="prefill", reason="prefill_error")
             return
         req.num_computed_tokens = req.num_prompt_tokens
-        chunk = self._emit(req, detok, [int(logits[0].argmax())])
+        chunk = self._emit(req, detok, [self._pick(req, logits)])
         yield chunk
         fallback: str | None = None
         fallback_reported = False
@@ -199,13 +202,26 @@ class PersistentLane:
                     telemetry.quantum(qreq.max_tokens, len(result.emitted_tokens), result.finish_reason, start_ns,
                                       time.time_ns(), backend=backend.name)
                 self.quanta_run += 1
-                req.num_computed_tokens = result.committed_kv_length
-                if ahead is not None and ahead[0].committed_kv_length != result.committed_kv_length:
-                    backend.discard_quanta()  # this quantum stopped early: the follower started from a wrong guess
-                    ahead = None
-                if ahead is not None:  # it started from this result's last token
-                    ahead = (replace(ahead[0], pending_token=result.pending_token), ahead[1])
-                chunk = self._emit(req, detok, result.emitted_tokens)
+                banned_at = self._min_tokens_ban_index(req, result.emitted_tokens)
+                if banned_at is not None:  # the device's argmax took a stop id that min_tokens bans there
+                    if ahead is not None:
+                        backend.discard_quanta()  # it started from the banned token
+                        ahead = None
+                    try:
+                        chunk = self._emit_with_ban(req, detok, result.emitted_tokens[:banned_at],
+                                                    qreq.committed_kv_length + banned_at)
+                    except Exception as exc:  # noqa: BLE001 - a host forward failed; the decoder is fine
+                        yield GenerationError(req.request_id, f"decode step failed: {exc}", LANE, stage="decode",
+                                              reason="engine_error")
+                        return
+                else:
+                    req.num_computed_tokens = result.committed_kv_length
+                    if ahead is not None and ahead[0].committed_kv_length != result.committed_kv_length:
+                        backend.discard_quanta()  # this quantum stopped early: the follower started from a wrong guess
+                        ahead = None
+                    if ahead is not None:  # it started from this result's last token
+                        ahead = (replace(ahead[0], pending_token=result.pending_token), ahead[1])
+                    chunk = self._emit(req, detok, result.emitted_tokens)
                 if fallback and not fallback_reported:
                     chunk.fallback_reason, fallback_reported = fallback, True
                 yield chunk
@@ -220,11 +236,10 @@ class PersistentLane:
         """Size the quantum that starts at ``committed`` with ``remaining`` tokens to go, reserve its pages,
         and build its request; None when the pages are not there."""
         core = self.core
-        size = quantum_size(
-            remaining, core.config.max_model_len, committed,
-            num_eos_ids=len(self._stop_ids(req)),
-            device_checks_stop_set=self.backend.checks_stop_set_on_device,
-        )
+        # The host checks every emitted token against the whole stop set (stops.accept_tokens) and cuts the
+        # output at the first stop, so a backend that stops on one id only (mk1) still runs full quanta: it
+        # may decode past another stop id, and those tokens are dropped like the rest of a cut quantum.
+        size = quantum_size(remaining, core.config.max_model_len, committed)
         if not core.allocator.can_grow(req.block_table, committed + size):
             return None
         core.allocator.grow(req.block_table, committed + size)
@@ -286,18 +301,50 @@ class PersistentLane:
             stop_token_ids=tuple(sorted(stop_ids)),
         )
 
+    def _banned_ids(self, req: Request) -> frozenset[int]:
+        return min_tokens_banned_ids(req.params, req.num_output_tokens, self.core.eos_token_ids)
+
+    def _pick(self, req: Request, logits: torch.Tensor) -> int:
+        """The next token from ``logits`` ``[1, vocab]``: the argmax, with the ids ``min_tokens`` bans for this
+        position masked first (the standard lane's sampler, on the same row)."""
+        banned = self._banned_ids(req)
+        if not banned:
+            return int(logits[0].argmax())
+        row = SamplingRow(req.params, None, req.prompt_token_ids, req.output_token_ids, banned)
+        return sample_rows(logits[:1], [row]).token_ids[0]
+
+    def _min_tokens_ban_index(self, req: Request, tokens: list[int]) -> int | None:
+        """Index of the first of a quantum's ``tokens`` that ``min_tokens`` bans at its position (an EOS or stop
+        id while fewer than ``min_tokens`` tokens precede it), or None. The device's argmax does not mask
+        them; the standard lane would have taken the best other token there."""
+        banned, room = self._banned_ids(req), req.params.min_tokens - req.num_output_tokens
+        return next((j for j, tok in enumerate(tokens[:room]) if tok in banned), None)
+
+    def _emit_with_ban(self, req: Request, detok: IncrementalDetokenizer, head: list[int],
+                       committed: int) -> GenerationChunk:
+        """Take a quantum's ``head`` (the tokens before a banned one), then recompute the banned position on the
+        host: one forward of the model runner over the last taken token (position ``committed``, whose KV the
+        quantum already wrote: written again, the same), the ban applied, the argmax taken. The quantum's
+        later tokens are dropped; their KV positions are written again by the next quantum before any read."""
+        accepted = accept_tokens(req, detok, head, self.core.eos_token_ids, self.core.config.max_model_len)
+        tokens, text, finish = list(accepted.token_ids), accepted.text, accepted.finish
+        req.num_computed_tokens = committed
+        if finish is None:
+            self.min_tokens_recomputes += 1
+            logits = self.core.runner.execute([(req, 1)])  # feeds all_token_ids[committed]
+            req.num_computed_tokens = committed + 1
+            fixed = accept_tokens(req, detok, [self._pick(req, logits)], self.core.eos_token_ids,
+                                  self.core.config.max_model_len)
+            tokens, text, finish = tokens + fixed.token_ids, text + fixed.text, fixed.finish
+        return self._chunk(req, tokens, text, finish)
+
     def _emit(self, req: Request, detok: IncrementalDetokenizer, tokens: list[int]) -> GenerationChunk:
-        """Append tokens (cut at the first stop), detokenize, and build the chunk."""
-        finish = None
-        accepted = []
-        for tok in tokens:
-            req.output_token_ids.append(tok)
-            accepted.append(tok)
-            finish = check_stop(req, self.core.eos_token_ids, self.core.config.max_model_len)
-            if finish is not None:
-                break
-        text = detok.append(accepted, final=finish is not None)
-        return self._chunk(req, accepted, text, finish)
+        """Append tokens, cut at the first that ends the request (EOS, stop id, length or stop string,
+        checked token by token on the host as the standard lane does: ``stops.accept_tokens``),
+        detokenize, and build the chunk. Tokens after the cut are dropped: their KV is beyond the end, in
+        pages the request holds until :meth:`generate` frees them."""
+        accepted = accept_tokens(req, detok, tokens, self.core.eos_token_ids, self.core.config.max_model_len)
+        return self._chunk(req, accepted.token_ids, accepted.text, accepted.finish)
 
     def _chunk(self, req: Request, tokens, text, finish: FinishReason | None) -> GenerationChunk:
         return GenerationChunk(
@@ -312,5 +359,6 @@ class PersistentLane:
             "lane": LANE, "kv_pages_total": a.num_blocks, "kv_pages_free": a.num_free,
             "running": int(self.busy), "waiting": 0, "decoder_healthy": self.healthy,
             "unhealthy_reason": self.unhealthy_reason, "quanta_run": self.quanta_run,
+            "min_tokens_recomputes": self.min_tokens_recomputes,
             "backend": self.backend.name if self.backend else None,
         }

@@ -23,10 +23,13 @@ What it does, in order (DESIGN.md "Persistent decode contract", docs/mk1.md):
    the launch was asked for becomes :class:`BackendLaunchError` (terminal; this
    backend then refuses further quanta as ``decoder_unhealthy``).
 
-MK1 checks ONE eos id on device, so ``checks_stop_set_on_device = False``:
-``policy.quantum_size`` then sizes quanta to 1 whenever several stop ids are
-configured, and :meth:`MK1Backend.run_quantum` refuses (prelaunch) a longer
-quantum with several stop ids rather than decode past a stop.
+MK1 checks ONE eos id on device, so ``checks_stop_set_on_device = False``.
+With several stop ids the quantum still runs its full size with one of them as
+MK1's eos: it may decode past another stop id, and the lane, which checks every
+emitted token on the host (``replicas.stops.accept_tokens``), cuts the output at
+the first stop id and drops the rest of the quantum (its KV lies in pages the
+request holds until it ends). The tokens are the same as with an on-device check
+of the whole set; only the steps after such a stop are wasted, once per request.
 
 This adapter has never run on an MI355X; it is tested only against a test
 double of the ``aiter.MK1`` module boundary (``tests/replicas/mk1_double``).
@@ -379,7 +382,7 @@ class MK1Backend(PersistentBackend):
 
     name = "mk1"
     checks_stop_set_on_device = False
-    """MK1 stops on one eos id only: with several stop ids the lane runs quanta of 1."""
+    """MK1 stops on one eos id only: with several stop ids it may run past the others (the lane cuts there)."""
 
     def __init__(self, envelope: Mk1Envelope, checkpoint: str | Path, mode: str = "required"):
         if mode not in MK1_MODES:
@@ -493,7 +496,8 @@ class MK1Backend(PersistentBackend):
 
         Block maps go to the device as contiguous int32; the RoPE tables are the
         ones built at construction. With one stop id that id is MK1's eos; with
-        several, only a quantum of 1 is accepted (MK1 would miss the others).
+        several, MK1's eos is ``req.eos_token_id`` if it is one of them, else the
+        first (MK1 runs past the others; the lane cuts the output at the first stop id).
         ``cancellation_flag`` is not passed: its native type is not in the
         contract; the lane checks cancellation between quanta (at most 8 tokens).
         """
@@ -511,13 +515,8 @@ class MK1Backend(PersistentBackend):
             raise PrelaunchError("cancelled before launch", "cancelled")
         stops = tuple(dict.fromkeys(req.stop_token_ids))
         eos, ignore_eos = req.eos_token_id, req.ignore_eos
-        if len(stops) == 1:
-            eos, ignore_eos = stops[0], False
-        elif len(stops) > 1 and req.max_tokens > 1:
-            raise PrelaunchError(
-                f"aiter.MK1 checks one eos id; {len(stops)} stop ids need quanta of 1 (got {req.max_tokens})",
-                "unsupported_envelope",
-            )
+        if stops and not ignore_eos:
+            eos, ignore_eos = (eos if eos in stops else stops[0]), False
         full = self._device_block_map(req.full_block_map, "full_block_map")
         sliding = None if req.sliding_block_map is None else self._device_block_map(req.sliding_block_map, "sliding_block_map")
         return self._mk1.QuantumRequest(

@@ -122,7 +122,6 @@ REACHABLE = [
     ("unsupported_decode_batch", {"messages": FRANCE, "temperature": 0, "n": 2, "max_tokens": 2}),
     ("logprobs", {"messages": FRANCE, "temperature": 0, "logprobs": True, "max_tokens": 2}),
     ("logits_processing", {"messages": FRANCE, "temperature": 0, "frequency_penalty": 0.5, "max_tokens": 2}),
-    ("stop_strings", {"messages": FRANCE, "temperature": 0, "stop": ["xyz"], "max_tokens": 2}),
 ]
 
 

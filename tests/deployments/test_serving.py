@@ -77,15 +77,18 @@ def test_n2_falls_back_unsupported_decode_batch(client, otlp):
     _fallbacks(otlp, reason="unsupported_decode_batch")
 
 
-def test_stop_strings_fall_back_and_are_honoured(client, otlp):
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=FRANCE, temperature=0, max_tokens=32, stop=["Paris"]
-    )
+def test_stop_strings_run_on_the_persistent_lane_and_are_honoured(client):
+    """lm-eval's GSM8K sends stop strings with every request: they are checked on the host after each quantum."""
+    kwargs = dict(model=MODEL, messages=FRANCE, temperature=0, max_tokens=32, stop=["Paris", "Question:"])
+    raw = client.chat.completions.with_raw_response.create(**kwargs)
     body = raw.parse()
-    assert raw.headers["x-lane"] == "standard"
-    assert "Paris" not in body.choices[0].message.content
+    assert raw.headers["x-lane"] == "persistent"
     assert body.choices[0].finish_reason == "stop"
-    _fallbacks(otlp, reason="stop_strings")
+    standard = client.chat.completions.with_raw_response.create(**kwargs, extra_headers={"x-lane": "standard"})
+    assert standard.headers["x-lane"] == "standard"
+    assert standard.parse().choices[0].message.content == body.choices[0].message.content
+    assert body.choices[0].message.content.endswith("capital of France is ")
+    assert body.usage == standard.parse().usage
 
 
 def test_lanes_give_identical_greedy_text(client):

@@ -32,7 +32,7 @@ TRIGGERS: dict[Reason, dict] = {
     Reason.NON_GREEDY: {"temperature": 0.7},
     Reason.LOGPROBS: {"logprobs": True},
     Reason.LOGITS_PROCESSING: {"has_logits_processing": True},
-    Reason.STOP_STRINGS: {"has_stop_strings": True},
+    Reason.STOP_STRINGS: {"has_stop_strings": True, "host_checks_stop_strings": False},
     Reason.STOP_TOKEN_SEQUENCES: {"has_stop_token_sequences": True},
     Reason.KV_TRANSFER: {"kv_transfer": True},
     Reason.MAX_SEQUENCE_LENGTH: {"committed_tokens": 4095},
@@ -80,6 +80,12 @@ def test_reason_is_a_plain_string_with_a_docstring(reason):
 
 def test_defaults_are_eligible():
     assert check_admission(make()) is None
+
+
+def test_stop_strings_are_admitted_when_the_lane_checks_them_on_the_host():
+    """Ours checks stop strings after each quantum (equivalence: tests/replicas/test_stop_strings_lanes.py)."""
+    assert check_admission(make(has_stop_strings=True)) is None
+    assert check_admission(make(has_stop_strings=True, host_checks_stop_strings=False)) is Reason.STOP_STRINGS
 
 
 def test_triggers_cover_every_admission_reason():

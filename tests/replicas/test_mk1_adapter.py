@@ -23,7 +23,6 @@ import pytest
 import torch
 
 import replicas.persistent.mk1 as mk1
-from policy import quantum_size
 from replicas.config import EngineConfig
 from replicas.engine import EngineCore
 from replicas.kv_cache import KVCache, PageAllocator
@@ -401,17 +400,18 @@ def test_a_single_stop_id_becomes_mk1_eos_and_ends_the_quantum(double, checkpoin
     assert_markers(kv, [2], range(0, 3))
 
 
-def test_several_stop_ids_mean_quanta_of_one(double, checkpoint):
+def test_several_stop_ids_run_full_quanta_with_one_of_them_as_mk1_eos(double, checkpoint):
+    """MK1 checks one eos id: with several stop ids the quantum keeps its size (the lane cuts the output at the
+    first stop id on the host), and MK1's eos is the request's eos id when it is one of them, else the first."""
     assert mk1.MK1Backend.checks_stop_set_on_device is False
-    dev = mk1.MK1Backend.checks_stop_set_on_device
-    assert quantum_size(100, 4096, 10, num_eos_ids=2, device_checks_stop_set=dev) == 1
-    assert quantum_size(100, 4096, 10, num_eos_ids=1, device_checks_stop_set=dev) == 8
     backend = bound_backend(double, checkpoint, gpt_oss_kv())
-    with pytest.raises(PrelaunchError, match="checks one eos id; 2 stop ids need quanta of 1"):
-        backend.run_quantum(qreq(max_tokens=4, ignore_eos=False, stop_token_ids=(30, 31)))
-    assert double.calls_named("run_quantum") == []  # refused before the launch
-    result = backend.run_quantum(qreq(max_tokens=1, ignore_eos=False, stop_token_ids=(30, 31)))
-    assert result.emitted_tokens == SCRIPT[:1]
+    result = backend.run_quantum(qreq(max_tokens=4, ignore_eos=False, eos_token_id=31, stop_token_ids=(30, 31)))
+    assert result.emitted_tokens == SCRIPT[:4]
+    native = double.calls_named("run_quantum")[-1].args["request"]
+    assert (native.max_tokens, native.eos_token_id, native.ignore_eos) == (4, 31, False)
+    backend.run_quantum(qreq(max_tokens=2, ignore_eos=False, eos_token_id=99, stop_token_ids=(40, 41)))
+    native = double.calls_named("run_quantum")[-1].args["request"]
+    assert (native.eos_token_id, native.ignore_eos) == (40, False)
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -600,12 +600,19 @@ def test_lane_streams_mk1_quanta_written_through_the_engine_cache(double, checkp
     assert core.allocator.num_free == core.allocator.num_blocks
 
 
-def test_lane_with_several_eos_ids_runs_quanta_of_one(double, checkpoint, on_gfx950):
+def test_lane_with_several_stop_ids_runs_full_quanta_and_cuts_at_the_first(double, checkpoint, on_gfx950):
+    """Two EOS ids and a stop token id the double emits mid-quantum: MK1 (eos 30) decodes past it, the lane cuts
+    the output right after it, drops the rest of the quantum and frees every page."""
     lane, core = _lane(double, checkpoint, eos=(30, 31))
-    items = list(lane.generate(_request("r", max_tokens=5, ignore_eos=False)))
-    assert [len(c.token_ids) for c in items] == [1, 1, 1, 1, 1]
-    assert [r.args["request"].max_tokens for r in double.calls_named("run_quantum")] == [1, 1, 1, 1]
+    stop = SCRIPT[4]
+    items = list(lane.generate(_request("r", max_tokens=17, ignore_eos=False, stop_token_ids=(stop,))))
+    assert [c.token_ids for c in items] == [[0], SCRIPT[:5]]  # the prefill token, then the quantum cut at the stop
+    assert items[-1].finish_reason == "stop" and items[-1].num_output_tokens == 6
+    natives = [r.args["request"] for r in double.calls_named("run_quantum")]
+    assert [(n.max_tokens, n.eos_token_id) for n in natives] == [(8, 30)]
     assert core.allocator.num_free == core.allocator.num_blocks
+    items = list(lane.generate(_request("s", max_tokens=13, ignore_eos=False)))  # no stop reached: full quanta
+    assert [len(c.token_ids) for c in items] == [1, 8, 4]
 
 
 def test_lane_falls_back_to_the_reference_decode_on_an_aiter_prelaunch_error(double, checkpoint, on_gfx950):

@@ -117,14 +117,29 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(core, tokenizer, greedy_
     assert not any(s in tokenizer.decode(out[:-1]) for s in stop)
 
 
-def test_stop_token_ids_end_generation_and_are_kept(core, tokenizer, greedy_texts):
+def test_stop_token_ids_end_generation_kept_in_the_ids_not_in_the_text(core, tokenizer, greedy_texts):
+    """As vLLM: the stop token is the last output id (and counted), its text is left out unless
+    ``include_stop_str_in_output``."""
     greedy_tokens, _ = greedy_texts[1]
     stop_id = greedy_tokens[3]
+    assert tokenizer.decode([stop_id]).strip(), "the stop token must have visible text for this test"
     cut = greedy_tokens.index(stop_id) + 1
-    chunks = _run(core, chat_ids(tokenizer, PROMPTS[1]), max_tokens=24, temperature=0.0, stop_token_ids=(stop_id,))
-    assert tokens_of(chunks) == greedy_tokens[:cut]
+    for include in (False, True):
+        chunks = _run(core, chat_ids(tokenizer, PROMPTS[1]), max_tokens=24, temperature=0.0,
+                      stop_token_ids=(stop_id,), include_stop_str_in_output=include)
+        assert tokens_of(chunks) == greedy_tokens[:cut] and chunks[-1].num_output_tokens == cut
+        assert chunks[-1].finish_reason == "stop"
+        shown = greedy_tokens[:cut] if include else greedy_tokens[: cut - 1]
+        assert text_of(chunks) == tokenizer.decode(shown, skip_special_tokens=True)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(core, tokenizer, greedy_texts):
+    greedy_tokens, greedy_text = greedy_texts[1]
+    stop = "e lapp"  # spans two tokens; the text ends right after it
+    chunks = _run(core, chat_ids(tokenizer, PROMPTS[1]), max_tokens=24, temperature=0.0, stop=(stop,),
+                  include_stop_str_in_output=True)
     assert chunks[-1].finish_reason == "stop"
-    assert text_of(chunks) == tokenizer.decode(greedy_tokens[:cut], skip_special_tokens=True)
+    assert text_of(chunks) == greedy_text[: greedy_text.index(stop) + len(stop)]
 
 
 def test_max_tokens_finishes_with_length(core, tokenizer, greedy_texts):
