@@ -38,7 +38,16 @@ class OpenAIError(Exception):
 
 
 def validation_error(errors: list[dict]) -> OpenAIError:
-    """Turn FastAPI/pydantic validation errors into one OpenAI-style 400 naming the first problem."""
+    """Turn FastAPI/pydantic validation errors into one OpenAI-style 400 naming the first problem.
+
+    ``param`` is the field's dotted path (``messages.0.content``). When the field
+    accepts one of several shapes (a pydantic union), pydantic reports one error
+    per shape, each under a tag of that shape (``prompt.str``, ``prompt.list[int].0``);
+    those are folded into one message that names the field, the shapes it accepts
+    and what was sent, e.g. ``messages.0.content: expected a string or a list of
+    objects, got a number``; or, when the value has one shape's outline and a part
+    of it is wrong, that part (``stop.1: Input should be a valid string``).
+    """
     first = errors[0] if errors else {}
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     kind = first.get("type", "")
@@ -47,8 +56,65 @@ def validation_error(errors: list[dict]) -> OpenAIError:
         return OpenAIError(f"the request body is not valid JSON (error at character {pos})")
     if not loc and kind in ("model_attributes_type", "dict_type"):
         return OpenAIError("the request body must be a JSON object (send Content-Type: application/json)")
+    tag = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if tag is not None:
+        where = ".".join(loc[:tag])
+        shapes, deeper = [], None
+        for e in errors:
+            e_loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            if len(e_loc) > tag and e_loc[:tag] == loc[:tag] and _is_union_tag(e_loc[tag]):
+                shapes.append(_shape(e_loc[tag]))
+                if deeper is None and len(e_loc) > tag + 1:
+                    deeper = {**e, "loc": (*e_loc[:tag], *e_loc[tag + 1:])}
+        if deeper is not None:  # the value has one shape's outline but something inside it is wrong: name that
+            return validation_error([deeper])
+        got = _json_kind(first.get("input"))
+        expected = " or ".join(dict.fromkeys(shapes))
+        return OpenAIError(f"{where or 'body'}: expected {expected}, got {got}", param=where or None)
     where = ".".join(loc)
-    return OpenAIError(f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where or None)
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return OpenAIError(f"{where or 'body'}: {msg}", param=where or None)
+
+
+_BUILTIN_TAGS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+                 "none": "null", "dict": "an object", "list": "a list"}
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic names each member of a union in the error location: a type (``str``, ``list[int]``,
+    ``TextPart``) or a validator (``function-after[...]``); our field names are snake_case words."""
+    return part in _BUILTIN_TAGS or "[" in part or part[:1].isupper()
+
+
+def _shape(tag: str) -> str:
+    """``list[list[int]]`` -> "a list of lists of integers"; ``TextPart`` -> "an object" (for a union tag)."""
+    if tag in _BUILTIN_TAGS:
+        return _BUILTIN_TAGS[tag]
+    if tag.startswith(("list[", "tuple[")) and tag.endswith("]"):
+        inner = _shape(tag[tag.index("[") + 1:-1])
+        plural = {"a string": "strings", "an integer": "integers", "a number": "numbers", "a boolean": "booleans",
+                  "an object": "objects", "null": "nulls"}.get(inner, inner.removeprefix("a ").replace("list", "lists", 1))
+        return f"a list of {plural}"
+    if tag.startswith("function-"):
+        return "a valid value"
+    return "an object"
+
+
+def _json_kind(value) -> str:
+    """How a JSON value reads in an error message ("a string", "an object", ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list" if value else "an empty list"
+    return type(value).__name__
 
 
 class StreamOptions(BaseModel):
@@ -98,17 +164,19 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None
+    """The served model's name; optional (as vLLM: the one model this app serves)."""
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as vLLM
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -158,6 +226,14 @@ class _SamplingFields(BaseModel):
         """``SamplingParams.logprobs``: None for none, else how many top alternatives per token."""
         raise NotImplementedError
 
+    def prompt_logprobs_k(self) -> int | None:
+        """``SamplingParams.prompt_logprobs``: None unless the response shows the prompt's logprobs."""
+        return None
+
+    def default_output_limit(self, room: int) -> int:
+        """``max_tokens`` when the request sets no output limit, given ``room`` tokens left in the context."""
+        return room
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters for this request, ``max_tokens`` already fitted to the context.
 
@@ -174,7 +250,8 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos, n=self.n, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
-            logprobs=self.logprobs_k(),
+            logprobs=self.logprobs_k(), include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=self.prompt_logprobs_k(),
         )
 
 
@@ -198,34 +275,94 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""``/v1/completions`` output limit when the request sets none (OpenAI's and vLLM's default)."""
+MAX_PROMPTS_TIMES_N = 128
+"""Most choices one ``/v1/completions`` request may ask for (prompts x ``n``)."""
+
+
+def parse_prompts(value) -> list[str | list[int]]:
+    """OpenAI's ``prompt`` shapes as a list of prompts: a string, a list of strings, a list of token
+    ids (one prompt), or a list of token-id lists.
+
+    Raises:
+        ValueError: naming the first element that breaks the shape (pydantic turns it into the 400).
+    """
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise ValueError(f"expected a string, a list of strings, a list of token ids or a list of token-id "
+                         f"lists, got {_json_kind(value)}")
+    if not value:
+        raise ValueError("must not be empty")
+    if all(_is_token_id(t) for t in value):
+        return [list(value)]
+    kinds = {type(x) for x in value}
+    if kinds == {str}:
+        return list(value)
+    if kinds == {list}:
+        for i, ids in enumerate(value):
+            if not ids:
+                raise ValueError(f"prompt {i} is an empty list of token ids")
+            bad = next((j for j, t in enumerate(ids) if not _is_token_id(t)), None)
+            if bad is not None:
+                raise ValueError(f"prompt {i}, element {bad}: token ids must be integers, got {_json_kind(ids[bad])}")
+        return [list(ids) for ids in value]
+    first = value[0]
+    if _is_token_id(first):
+        want, ok = "token ids (integers)", _is_token_id
+    elif isinstance(first, str):
+        want, ok = "strings", lambda x: isinstance(x, str)
+    elif isinstance(first, list):
+        want, ok = "token-id lists", lambda x: isinstance(x, list)
+    else:
+        raise ValueError(f"element 0: expected a string, a token id or a list of token ids, got {_json_kind(first)}")
+    bad = next(i for i, x in enumerate(value) if not ok(x))
+    raise ValueError(f"element {bad} is {_json_kind(value[bad])}, but element 0 makes this a list of {want}; "
+                     "do not mix strings, token ids and token-id lists")
+
+
+def _is_token_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str]
+    """``POST /v1/completions``.
+
+    ``prompt`` takes OpenAI's four shapes (a string, a list of strings, a list of
+    token ids, a list of token-id lists); the response has ``n`` choices per prompt,
+    choice ``i * n + j`` being the ``j``-th of prompt ``i`` (OpenAI's numbering).
+    ``echo`` with ``logprobs`` returns the prompt tokens' logprobs too (the first has
+    none: ``null``), computed in the prefill on the standard lane.
+    """
+
+    prompt: list[str | list[int]]
     logprobs: StrictInt | None = Field(None, ge=0, le=5)
     echo: bool = False
+    max_completion_tokens: int | None = Field(None, ge=1)
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
-            return v[0]
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be empty")
-        return v
+    def _prompts(cls, v):
+        return parse_prompts(v)
 
     def check(self) -> None:
         super().check()
-        if self.echo and self.logprobs is not None:
-            # with echo, OpenAI/vLLM return the prompt's logprobs too; the engine does not compute them
-            raise OpenAIError("not supported: echo together with logprobs (prompt logprobs)",
-                              param="echo", code="unsupported_parameter")
+        if len(self.prompt) * self.n > MAX_PROMPTS_TIMES_N:
+            raise OpenAIError(f"{len(self.prompt)} prompts x n={self.n} is {len(self.prompt) * self.n} choices; "
+                              f"at most {MAX_PROMPTS_TIMES_N} per request", param="prompt")
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
 
+    def prompt_logprobs_k(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     def output_limit(self) -> int | None:
-        return self.max_tokens
+        return self.max_completion_tokens or self.max_tokens
+
+    def default_output_limit(self, room: int) -> int:
+        return min(DEFAULT_COMPLETION_MAX_TOKENS, room)
 
 
 def new_id(prefix: str) -> str:

@@ -19,7 +19,13 @@ from replicas.model_runner import ModelRunner
 from replicas.models.loader import resolve_model
 from replicas.models.registry import load_model
 from replicas.request import Request, SamplingParams
-from replicas.sampler import SamplingRow, make_generator, min_tokens_banned_ids, sample_rows
+from replicas.sampler import (
+    SamplingRow,
+    make_generator,
+    min_tokens_banned_ids,
+    prompt_token_logprobs,
+    sample_rows,
+)
 from replicas.scheduler import Scheduler, SchedulerConfig
 from replicas.stops import accept_tokens
 
@@ -135,6 +141,8 @@ class LLMEngine:
             )
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(seq_id, list(prompt_token_ids), p, index=i, leader=leader)
+            if p.prompt_logprobs is not None:
+                req.prompt_logprobs = [None]  # nothing predicts the first prompt token
             if leader is None and params.n > 1 and self.core.allocator.enable_prefix_caching:
                 leader = req
             detok = IncrementalDetokenizer(self.core.tokenizer, p.stop, p.include_stop_str_in_output)
@@ -165,9 +173,15 @@ class LLMEngine:
         if self.on_scheduled is not None:
             for req, _ in batch:
                 self.on_scheduled(self._tracked[req.request_id].parent_id)
-        logits = self.core.runner.execute(batch)
+        want = [req.needs_prompt_logits and req.num_computed_tokens < req.num_prompt_tokens for req, _ in batch]
+        if any(want):
+            logits, prompt_rows = self.core.runner.execute_with_prompt_logits(batch, want)
+        else:
+            logits, prompt_rows = self.core.runner.execute(batch), None
         rows, sampled = [], []
         for i, (req, n) in enumerate(batch):
+            if prompt_rows is not None and prompt_rows[i] is not None:
+                self._record_prompt_logprobs(req, req.num_computed_tokens, prompt_rows[i])
             self.scheduler.commit_computed(req, n)
             if req.num_computed_tokens == req.num_tokens:  # prompt done (or decoding): sample
                 sampled.append(i)
@@ -180,6 +194,19 @@ class LLMEngine:
             tracked = self._tracked[batch[i][0].request_id]
             chunks.append(self._postprocess(tracked, out.token_ids[j], out.logprobs[j]))
         return chunks
+
+    @staticmethod
+    def _record_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> None:
+        """Add the prompt logprobs a chunk's logits give: row ``j`` (position ``start + j``) predicts the prompt
+        token at ``start + j + 1``. Positions already recorded (before a preemption) are not added again;
+        the prompt's last position predicts the first output token (sampled, not a prompt logprob)."""
+        have = len(req.prompt_logprobs)
+        first, stop = max(have, start + 1), min(start + logits.shape[0], req.num_prompt_tokens - 1) + 1
+        if first >= stop:
+            return
+        rows = logits[first - 1 - start: stop - 1 - start]
+        req.prompt_logprobs.extend(prompt_token_logprobs(rows, req.prompt_token_ids[first:stop],
+                                                         req.params.prompt_logprobs))
 
     def _sampling_row(self, t: _Tracked) -> SamplingRow:
         req, p = t.req, t.req.params
@@ -195,6 +222,7 @@ class LLMEngine:
             finish_reason=finish.value if finish else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens, lane=self.lane,
             index=req.index, logprobs=[logprobs] if logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs if req.num_output_tokens == 1 else None,
         )
         if finish is not None:
             self.scheduler.finish(req)

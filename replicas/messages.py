@@ -47,7 +47,8 @@ class GenerateRequest:
 
     @property
     def logprobs(self) -> bool:
-        return self.params.logprobs is not None
+        """The request needs the logits on the host: token or prompt logprobs."""
+        return self.params.logprobs is not None or self.params.prompt_logprobs is not None
 
     def admission_input(self, max_model_len: int, enabled: bool = True, queued_requests: int = 0) -> AdmissionInput:
         """The facts ``policy.check_admission`` needs about this request (router and lane ask the same way).
@@ -106,6 +107,9 @@ class GenerationChunk:
     """Per token in ``token_ids`` when the request asked for logprobs."""
     fallback_reason: str | None = None
     """Set on the chunk where a persistent request continued without its decoder (prelaunch error mid-request)."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """On a sequence's first chunk when ``params.prompt_logprobs`` is set: one entry per prompt token
+    (None for the first, which nothing predicts)."""
 
 
 @dataclass

@@ -79,3 +79,29 @@ class ModelRunner:
                     return logits
         input_ids, meta = build_metadata(batch, self.device)
         return self.model(input_ids, meta, self.kv_planes)
+
+    @torch.inference_mode()
+    def execute_with_prompt_logits(self, batch: list[tuple[Request, int]],
+                                   want: list[bool]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Forward the batch (eagerly), also returning every new token's logits for the requests in ``want``.
+
+        Args:
+            batch: as :meth:`execute`.
+            want: per request, whether to return the logits of all its new tokens (prompt logprobs).
+
+        Returns:
+            ``([len(batch), vocab] fp32 logits of each request's last new token, per request either None or
+            [num_new_tokens, vocab] fp32 logits of each of its new tokens, in order)``.
+        """
+        input_ids, meta = build_metadata(batch, self.device)
+        spans, indices = [], []
+        for i, want_all in enumerate(want):
+            start, end = meta.query_start[i], meta.query_start[i + 1]
+            first = end - 1 if not want_all else start
+            spans.append((len(indices), end - first))
+            indices.extend(range(first, end))
+        meta.logits_indices = indices
+        logits = self.model(input_ids, meta, self.kv_planes)  # [sum of spans, vocab]
+        last = logits[[offset + count - 1 for offset, count in spans]]
+        rows = [logits[offset:offset + count] if w else None for (offset, count), w in zip(spans, want, strict=True)]
+        return last, rows

@@ -149,6 +149,12 @@ class Request:
     prompt is prefilled, kept across a preemption (the recomputed positions are not added twice)."""
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs were asked for and some prompt positions have none yet (a cached prefix has no
+        logits, so such a request does not read the prefix cache: vLLM's rule)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs or ()) < self.num_prompt_tokens
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -44,12 +44,35 @@ from replicas.request import SamplingParams
 _NEG_INF = float("-inf")
 
 
+def generator_seed(seed: int) -> int:
+    """The 64-bit seed a request's ``torch.Generator`` gets for the request's ``seed`` (any int64).
+
+    ``seed`` is read as a 64-bit pattern (two's complement for negatives) and
+    mixed with SplitMix64's finalizer (Steele, Lea and Flood 2014, "Fast
+    splittable pseudorandom number generators"; the mixing step of Java's
+    ``SplittableRandom``), a bijection on 64-bit integers in which every output
+    bit depends on every input bit. Torch's CPU generator (a Mersenne Twister)
+    keeps only the low 32 bits of its seed, so without the mix seeds equal
+    modulo 2**32 (``-1``, ``2**63 - 1``, ``2**64 - 1``) would give the same
+    stream; with it nearby and structured seeds give unrelated streams. On
+    CUDA (Philox) all 64 bits are used and distinct seeds never collide; on
+    CPU two seeds collide with probability 2**-32.
+    """
+    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+_MASK64 = (1 << 64) - 1
+
+
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A seeded generator for ``params.seed`` (None when unseeded or greedy)."""
+    """A seeded generator for ``params.seed`` (None when unseeded or greedy); see :func:`generator_seed`."""
     if params.seed is None or params.is_greedy:
         return None
     gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed)
+    gen.manual_seed(generator_seed(params.seed))
     return gen
 
 
@@ -372,6 +395,36 @@ def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tenso
             token_id=tok, logprob=chosen[n], top=list(zip(top_i[n][:k], top_v[n][:k], strict=True))
         )
     return out
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """Logprobs of known next tokens (a prompt's), from the raw logits before each.
+
+    Args:
+        logits: ``[R, vocab]`` float logits; row ``j`` is the model's prediction
+            for the token after position ``j`` of a prompt chunk.
+        targets: ``R`` token ids, the prompt tokens that actually follow.
+        k: how many of the most likely tokens to add per row (``0..20``).
+
+    Returns:
+        ``R`` :class:`TokenLogprobs` (``log_softmax`` of the raw logits, as the
+        sampled tokens' logprobs), most likely first in ``top``.
+    """
+    if logits.shape[0] != len(targets):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(targets)} target tokens")
+    if not len(targets):
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(list(targets), dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    k = min(k, lp.shape[-1])
+    top_v: list[list[float]] = [[] for _ in targets]
+    top_i: list[list[int]] = [[] for _ in targets]
+    if k > 0:
+        values, indices = torch.topk(lp, k, dim=-1)
+        top_v, top_i = values.tolist(), indices.tolist()
+    return [TokenLogprobs(token_id=int(t), logprob=c, top=list(zip(i, v, strict=True)))
+            for t, c, i, v in zip(targets, chosen, top_i, top_v, strict=True)]
 
 
 def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:

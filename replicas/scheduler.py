@@ -6,8 +6,9 @@ Each step builds one mixed batch under a token budget
 1. running requests first, in admission order: one token each when decoding,
    or the next chunk of their prompt (chunked prefill);
 2. then waiting requests, first come first served: a prefix-cache lookup
-   revives pages of an equal prefix, and the rest of the prompt is scheduled
-   (whole, or a chunk that fits the budget).
+   revives pages of an equal prefix (not for a request that still needs prompt
+   logprobs: a cached page has no logits; as vLLM), and the rest of the prompt
+   is scheduled (whole, or a chunk that fits the budget).
 
 When pages run out for a running request, the most recently admitted request
 is preempted by recompute: its pages are released (full ones stay in the
@@ -119,7 +120,7 @@ class Scheduler:
     def _prefix_hits(self, req: Request) -> tuple[list[int], list[bytes]]:
         """Cached pages for ``req``'s prefix (leaving at least one token to compute: its logits are
         needed) and the hashes of the pages looked up."""
-        if not self.allocator.enable_prefix_caching:
+        if not self.allocator.enable_prefix_caching or req.needs_prompt_logits:  # cached pages have no logits
             return [], []
         usable = (req.num_tokens - 1) // PAGE_SIZE
         hashes = page_hashes(req.all_token_ids[: usable * PAGE_SIZE])

@@ -34,6 +34,9 @@ class AttentionMetadata:
         context_lens: ``B`` KV lengths *after* this forward (cached + new).
         block_tables: ``B`` int64 tensors of physical page ids, each covering
             at least ``ceil(context_lens[i] / PAGE_SIZE)`` pages.
+        logits_indices: which of the ``T`` tokens the model returns logits for,
+            in order; None (the default) means each sequence's last new token.
+            Prompt logprobs ask for every token of a prompt chunk.
     """
 
     positions: torch.Tensor
@@ -41,6 +44,7 @@ class AttentionMetadata:
     query_start: list[int]
     context_lens: list[int]
     block_tables: list[torch.Tensor]
+    logits_indices: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -48,7 +52,10 @@ class AttentionMetadata:
 
     @property
     def last_token_indices(self) -> torch.Tensor:
-        """``[B]`` index of each sequence's last new token (whose logits we sample)."""
+        """``[R]`` int64 indices of the tokens whose logits the model returns: ``logits_indices`` if set,
+        else ``[B]``, each sequence's last new token (whose logits we sample)."""
+        if self.logits_indices is not None:
+            return torch.tensor(self.logits_indices, dtype=torch.long)
         return torch.tensor([s - 1 for s in self.query_start[1:]], dtype=torch.long)
 
 
