@@ -3,7 +3,8 @@
 Parses the request (pydantic), applies the chat template, tokenizes, asks the
 in-process :class:`~deployments.router.Router` for a lane and streams the
 result as JSON or SSE (one engine request per HTTP request, all ``n`` choices
-on one stream). Also serves ``/tokenize`` and ``/detokenize``. Every response
+on one stream; a completions request with several prompts is one engine request per prompt, run at
+once and merged). Also serves ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``. Every response
 carries ``x-lane``. Errors come back in OpenAI's format:
 ``{"error": {"message", "type", "param", "code"}}``.
 
@@ -28,7 +29,13 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import AppConfig
-from deployments.openai_format import ChatFormat, CompletionFormat, TokenText, to_http
+from deployments.openai_format import (
+    ChatFormat,
+    CompletionFormat,
+    TokenText,
+    merge_prompt_streams,
+    to_http,
+)
 from deployments.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,6 +54,7 @@ from deployments.tokenize_api import (
     encode_chat,
     encode_prompt,
     tokenize,
+    tokenizer_info,
 )
 from ops.telemetry.tracing import (
     ATTR_GEN_AI_INPUT_TOKENS,
@@ -125,6 +133,17 @@ async def _traced(stream, span, owned: bool = True):
             span.end()
 
 
+async def _prepend(items: list, stream):
+    """``items``, then the rest of ``stream``; closing it closes ``stream``."""
+    try:
+        for item in items:
+            yield item
+        async for item in stream:
+            yield item
+    finally:
+        await stream.aclose()
+
+
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=256)
 @serve.ingress(api)
 class OpenAIIngress:
@@ -176,19 +195,26 @@ class OpenAIIngress:
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_common(body)
-        return await self._serve(body, encode_chat(self.tokenizer, body.messages), chat=True, http=request)
+        return await self._serve(body, [(encode_chat(self.tokenizer, body.messages), "")], chat=True, http=request)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_common(body)
-        if isinstance(body.prompt, str):
-            ids = encode_prompt(self.tokenizer, body.prompt)
-            echo = body.prompt if body.echo else ""
-        else:
-            ids = list(body.prompt)
-            check_token_ids(self.tokenizer, ids, "prompt")
-            echo = self.tokenizer.decode(ids) if body.echo else ""
-        return await self._serve(body, ids, chat=False, echo=echo, http=request)
+        prompts = []
+        for prompt in body.prompt:  # one or more (OpenAI's batched prompts)
+            if isinstance(prompt, str):
+                ids, echo = encode_prompt(self.tokenizer, prompt), prompt
+            else:
+                ids = list(prompt)
+                check_token_ids(self.tokenizer, ids, "prompt")
+                echo = self.tokenizer.decode(ids) if body.echo else ""
+            prompts.append((ids, echo if body.echo else ""))
+        return await self._serve(body, prompts, chat=False, http=request)
+
+    @api.get("/tokenizer_info")
+    async def tokenizer_info(self):
+        """vLLM's ``GET /tokenizer_info`` (lm-eval's remote tokenizer reads it): see ``tokenize_api``."""
+        return tokenizer_info(self.tokenizer, self.max_model_len)
 
     @api.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
@@ -220,7 +246,7 @@ class OpenAIIngress:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
                 f"has {len(ids)} tokens (prompt + at least 1 output token must fit).",
                 param="messages" if hasattr(body, "messages") else "prompt", code="context_length_exceeded")
-        limit = body.output_limit()
+        limit = body.output_limit()  # None: the endpoint's default (rest of the context; 16 for completions)
         if limit is not None and limit > room:  # as OpenAI and vLLM: refuse, do not silently truncate
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -228,7 +254,7 @@ class OpenAIIngress:
                 "the prompt or the completion length.",
                 param="max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens",
                 code="context_length_exceeded")
-        return GenerateRequest(new_id("req"), ids, body.sampling_params(limit or room))
+        return GenerateRequest(new_id("req"), ids, body.sampling_params(limit or body.default_output_limit(room)))
 
     @staticmethod
     def _lane_override(http: Request | None) -> str | None:
@@ -263,38 +289,56 @@ class OpenAIIngress:
             context=extract_context(dict(http.headers)) if http is not None else None,
             attributes={"http.request.method": "POST", "url.path": path, **attributes}), True
 
-    async def _serve(self, body, ids: list[int], chat: bool, echo: str = "", http: Request | None = None):
+    async def _serve(self, body, prompts: list[tuple[list[int], str]], chat: bool, http: Request | None = None):
+        """Serve ``prompts`` (``(token ids, echo text)`` each; chat has one) as one response: one engine request
+        per prompt, run at once, ``body.n`` choices each. Errors before the first item of every prompt are
+        HTTP errors; ``x-lane`` names the lane that served (``a,b`` when the prompts went to different lanes)."""
         from opentelemetry import trace
         from opentelemetry.trace import Status, StatusCode
 
         arrival = time.monotonic()
         span, owned = self._http_span(http, body, chat)
         try:
-            g = self._request(body, ids)
-            g.lane_override = self._lane_override(http)
-            span.set_attributes({ATTR_REQUEST_ID: g.request_id, ATTR_GEN_AI_INPUT_TOKENS: len(ids),
-                                 ATTR_GEN_AI_MAX_TOKENS: g.params.max_tokens})
-            stream = _traced(self.router.generate(g, trace.set_span_in_context(span), arrival), span, owned)
+            override = self._lane_override(http)
+            requests = [self._request(body, ids) for ids, _ in prompts]
+            for g in requests:
+                g.lane_override = override
+            span.set_attributes({ATTR_REQUEST_ID: ",".join(g.request_id for g in requests),
+                                 ATTR_GEN_AI_INPUT_TOKENS: sum(len(ids) for ids, _ in prompts),
+                                 ATTR_GEN_AI_MAX_TOKENS: requests[0].params.max_tokens})
+            context = trace.set_span_in_context(span)
+            streams = [self.router.generate(g, context, arrival) for g in requests]
+            merged = streams[0] if len(streams) == 1 else merge_prompt_streams(streams, body.n)
+            stream = _traced(merged, span, owned)
         except OpenAIError as exc:
             if owned:
                 span.set_attribute("http.response.status_code", exc.status)
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
                 span.end()
             raise
-        try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            raise OpenAIError("no output", status=500, type_="server_error") from None
-        if isinstance(first, GenerationError):
-            await stream.aclose()
-            raise to_http(first)
-        headers = {"x-lane": first.lane}
-        logprobs = g.params.logprobs is not None
+        heads, started = [], set()  # the first items, until every prompt has started (or one failed)
+        while len(started) < len(prompts):
+            try:
+                item = await stream.__anext__()
+            except StopAsyncIteration:
+                await stream.aclose()
+                raise OpenAIError("no output", status=500, type_="server_error") from None
+            if isinstance(item, GenerationError):
+                await stream.aclose()
+                raise to_http(item)
+            heads.append(item)
+            started.add(item.index // body.n)
+        lanes = list(dict.fromkeys(h.lane for h in sorted(heads, key=lambda h: h.index)))
+        headers = {"x-lane": ",".join(lanes)}
+        logprobs = requests[0].params.logprobs is not None
         fmt = (ChatFormat(self.model_name, self.token_text, logprobs) if chat
-               else CompletionFormat(self.model_name, self.token_text, logprobs, echo))
+               else CompletionFormat(self.model_name, self.token_text, logprobs, [e for _, e in prompts], body.n,
+                                     [ids for ids, _ in prompts]))
+        first, rest = heads[0], _prepend(heads[1:], stream)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                fmt.sse(first, stream, body.n, include_usage), media_type="text/event-stream", headers=headers
+                fmt.sse(first, rest, body.n, include_usage, len(prompts)), media_type="text/event-stream",
+                headers=headers,
             )
-        return JSONResponse(await fmt.collect(first, stream, body.n), headers=headers)
+        return JSONResponse(await fmt.collect(first, rest, body.n, len(prompts)), headers=headers)

@@ -3,11 +3,17 @@
 The engine streams the chunks of all ``n`` completions of a request on one
 stream, told apart by ``GenerationChunk.index``; the formatters demultiplex
 them into ``n`` choices (JSON body or SSE), sum the usage over the choices and
-render token logprobs in OpenAI's chat or completions shape.
+render token logprobs in OpenAI's chat or completions shape. A completions
+request with several prompts is one engine request per prompt, merged into
+one stream by :func:`merge_prompt_streams` (choice ``p * n + i`` is the
+``i``-th completion of prompt ``p``, OpenAI's numbering).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import json
 import math
 from collections.abc import AsyncIterator
@@ -103,13 +109,16 @@ def _finish(reason: str | None) -> str | None:
 
 
 class _Choice:
-    """What one of the ``n`` completions has produced so far."""
+    """What one of the choices (``n`` per prompt) has produced so far."""
 
-    def __init__(self):
+    def __init__(self, index: int = 0):
+        self.index = index
         self.text = ""
         self.finish: str | None = None
         self.completion_tokens = 0
+        self.prompt_tokens = 0
         self.logprobs: dict | None = None
+        self.prompt_logprobs_seen = False
 
 
 class _Format:
@@ -135,14 +144,20 @@ class _Format:
         return {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
                 "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def _update(self, choices: list[_Choice], item: GenerationChunk) -> tuple[_Choice, dict | None]:
-        """Fold ``item`` into its choice; return the choice and the logprobs of ``item``'s tokens."""
+    def _update(self, choices: list[_Choice], item: GenerationChunk) -> tuple[_Choice, dict | None, dict | None]:
+        """Fold ``item`` into its choice; return the choice, the logprobs of ``item``'s tokens, and the prompt's
+        logprobs when ``item`` brings them (echo with logprobs), else None."""
         if not 0 <= item.index < len(choices):
-            raise OpenAIError(f"engine returned choice index {item.index} for n={len(choices)}",
+            raise OpenAIError(f"engine returned choice index {item.index} for {len(choices)} choices",
                               status=500, type_="server_error", code="engine_error")
         c = choices[item.index]
-        part = None
+        part = head = None
         if self.want_logprobs:
+            if item.prompt_logprobs is not None and not c.prompt_logprobs_seen:
+                c.prompt_logprobs_seen = True
+                head = self.prompt_logprobs_part(item.index, item.prompt_logprobs)
+                if head is not None:
+                    c.logprobs = {k: list(v) for k, v in head.items()}
             part = self.logprobs_part(item.logprobs or [], self.text_offset(c))
             if c.logprobs is None:
                 c.logprobs = {k: [] for k in part}
@@ -150,44 +165,52 @@ class _Format:
                 c.logprobs[k].extend(v)
         c.text += item.text
         c.completion_tokens = max(c.completion_tokens, item.num_output_tokens)
+        c.prompt_tokens = max(c.prompt_tokens, item.num_prompt_tokens)
         if item.finish_reason:
             c.finish = _finish(item.finish_reason)
-        return c, part
+        return c, part, head
 
-    async def collect(self, first, rest, n: int) -> dict:
-        """The non-streaming response body."""
-        choices, prompt_tokens = [_Choice() for _ in range(n)], 0
-        async for item in _chain(first, rest):
-            if isinstance(item, GenerationError):
-                raise to_http(item)
-            prompt_tokens = max(prompt_tokens, item.num_prompt_tokens)
-            self._update(choices, item)
+    @staticmethod
+    def _usage(choices: list[_Choice], n: int) -> dict:
+        """Usage over every choice: each prompt's tokens counted once (not once per choice), outputs summed."""
+        prompts = sum(max(c.prompt_tokens for c in choices[p:p + n]) for p in range(0, len(choices), n))
+        return _usage(prompts, sum(c.completion_tokens for c in choices))
+
+    async def collect(self, first, rest, n: int, num_prompts: int = 1) -> dict:
+        """The non-streaming response body: ``n`` choices per prompt."""
+        choices = [_Choice(i) for i in range(n * num_prompts)]
+        try:
+            async for item in _chain(first, rest):
+                if isinstance(item, GenerationError):
+                    raise to_http(item)
+                self._update(choices, item)
+        finally:
+            await rest.aclose()
         for c in choices:
             if self.want_logprobs and c.logprobs is None:
                 c.logprobs = self.logprobs_part([], 0)
-        usage = _usage(prompt_tokens, sum(c.completion_tokens for c in choices))
-        return self._envelope([self.choice(i, c) for i, c in enumerate(choices)], usage=usage)
+        return self._envelope([self.choice(i, c) for i, c in enumerate(choices)], usage=self._usage(choices, n))
 
-    async def sse(self, first, rest, n: int, include_usage: bool) -> AsyncIterator[str]:
+    async def sse(self, first, rest, n: int, include_usage: bool, num_prompts: int = 1) -> AsyncIterator[str]:
         """The streaming response: SSE chunks, then the usage chunk if asked, then ``[DONE]``."""
-        choices, prompt_tokens = [_Choice() for _ in range(n)], 0
+        choices = [_Choice(i) for i in range(n * num_prompts)]
         extra = {"usage": None} if include_usage else {}
         try:
-            for i in range(n):
+            for i in range(n * num_prompts):
                 for opening in self.opening(i):
                     yield sse(self._envelope([opening], chunk=True, **extra))
             async for item in _chain(first, rest):
                 if isinstance(item, GenerationError):
                     yield sse(to_http(item).body())
                     break
-                prompt_tokens = max(prompt_tokens, item.num_prompt_tokens)
-                c, part = self._update(choices, item)
+                c, part, head = self._update(choices, item)
+                if head is not None:
+                    yield sse(self._envelope([self.prompt_delta(item.index, head)], chunk=True, **extra))
                 finish = _finish(item.finish_reason)
                 if item.text or finish or (part and item.token_ids):
                     yield sse(self._envelope([self.delta(item.index, item.text, finish, part)], chunk=True, **extra))
             if include_usage:
-                usage = _usage(prompt_tokens, sum(c.completion_tokens for c in choices))
-                yield sse(self._envelope([], chunk=True, usage=usage))
+                yield sse(self._envelope([], chunk=True, usage=self._usage(choices, n)))
             yield "data: [DONE]\n\n"
         finally:
             await rest.aclose()
@@ -200,6 +223,13 @@ class _Format:
         return []
 
     def logprobs_part(self, lps: list[TokenLogprobs], offset: int) -> dict:
+        raise NotImplementedError
+
+    def prompt_logprobs_part(self, i: int, entries: list[TokenLogprobs | None]) -> dict | None:
+        """Logprobs of choice ``i``'s echoed prompt, in :meth:`logprobs_part`'s shape (None: not shown)."""
+        return None
+
+    def prompt_delta(self, i: int, head: dict) -> dict:
         raise NotImplementedError
 
     def choice(self, i: int, c: _Choice) -> dict:
@@ -244,45 +274,120 @@ class CompletionFormat(_Format):
     Logprobs (OpenAI's legacy shape): ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``;
     each ``top_logprobs`` entry maps token text → logprob for the ``k`` most likely tokens plus the
     sampled one (so up to ``k + 1`` entries, as OpenAI and vLLM). ``text_offset`` is each token's
-    character offset in the choice's text (echoed prompt included).
+    character offset in the choice's text (echoed prompt included). With ``echo`` the prompt's
+    tokens come first (``token_logprobs[0]`` and ``top_logprobs[0]`` are null: nothing predicts the
+    first token); streamed, they come in one event with the echoed text, before the first token's.
 
     Args:
-        echo: text to put before each choice's text (``echo: true``), or "".
+        echo: per prompt, the text to put before each of its choices' text (``echo: true``), or "";
+            a single string applies to every choice.
+        n: choices per prompt (choice ``i`` belongs to prompt ``i // n``).
+        prompt_ids: per prompt, its token ids (echo with logprobs names the first token from them).
     """
 
     object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, model: str, tokens: TokenText | None = None, logprobs: bool = False, echo: str = ""):
+    def __init__(self, model: str, tokens: TokenText | None = None, logprobs: bool = False,
+                 echo: str | list[str] = "", n: int = 1, prompt_ids: list[list[int]] | None = None):
         super().__init__(model, tokens, logprobs)
-        self.echo = echo
+        self.echoes = [echo] if isinstance(echo, str) else list(echo)
+        self.n = n
+        self.prompt_ids = prompt_ids or []
+
+    def echo_of(self, i: int) -> str:
+        return self.echoes[min(i // self.n, len(self.echoes) - 1)] if self.echoes else ""
 
     def text_offset(self, c):
-        return len(self.echo) + len(c.text)
+        return len(self.echo_of(c.index)) + len(c.text)
 
-    def logprobs_part(self, lps, offset):
+    def _logprob_entries(self, entries, first_token: int | None, offset: int) -> dict:
         part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for lp in lps:
-            token = self.tokens.text(lp.token_id)
-            top: dict[str, float] = {}
-            for t, v in lp.top:
-                top.setdefault(self.tokens.text(t), _logprob(v))
-            top.setdefault(token, _logprob(lp.logprob))
-            part["tokens"].append(token)
-            part["token_logprobs"].append(_logprob(lp.logprob))
-            part["top_logprobs"].append(top)
+        for j, lp in enumerate(entries):
+            if lp is None:  # the first prompt token: no logprob
+                token = self.tokens.text(first_token) if j == 0 and first_token is not None else ""
+                part["tokens"].append(token)
+                part["token_logprobs"].append(None)
+                part["top_logprobs"].append(None)
+            else:
+                token = self.tokens.text(lp.token_id)
+                top: dict[str, float] = {}
+                for t, v in lp.top:
+                    top.setdefault(self.tokens.text(t), _logprob(v))
+                top.setdefault(token, _logprob(lp.logprob))
+                part["tokens"].append(token)
+                part["token_logprobs"].append(_logprob(lp.logprob))
+                part["top_logprobs"].append(top)
             part["text_offset"].append(offset)
             offset += len(token)
         return part
 
+    def logprobs_part(self, lps, offset):
+        return self._logprob_entries(lps, None, offset)
+
+    def prompt_logprobs_part(self, i, entries):
+        if not self.echo_of(i):
+            return None
+        ids = self.prompt_ids[i // self.n] if i // self.n < len(self.prompt_ids) else []
+        return self._logprob_entries(entries, ids[0] if ids else None, 0)
+
     def opening(self, i):
-        return [self.delta(i, self.echo, None, None)] if self.echo else []
+        if self.want_logprobs:  # the echo comes with the prompt's logprobs (prompt_delta)
+            return []
+        return [self.delta(i, self.echo_of(i), None, None)] if self.echo_of(i) else []
+
+    def prompt_delta(self, i, head):
+        return self.delta(i, self.echo_of(i), None, head)
 
     def choice(self, i, c):
-        return {"index": i, "text": self.echo + c.text, "finish_reason": c.finish, "logprobs": c.logprobs}
+        return {"index": i, "text": self.echo_of(i) + c.text, "finish_reason": c.finish, "logprobs": c.logprobs}
 
     def delta(self, i, text, finish, logprobs):
         return {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+async def merge_prompt_streams(streams: list, n: int) -> AsyncIterator[GenerationChunk | GenerationError]:
+    """One stream of the engine items of several prompts' requests, as they arrive (all run at once).
+
+    A chunk of prompt ``p`` gets choice index ``p * n + chunk.index``. Closing the
+    merged stream closes every prompt's stream (their work stops, their pages are freed).
+
+    Args:
+        streams: per prompt, an async iterator of its items (the router's ``generate``).
+        n: completions per prompt.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(p: int, stream) -> None:
+        try:
+            async for item in stream:
+                if isinstance(item, GenerationChunk):
+                    item = dataclasses.replace(item, index=p * n + item.index)
+                queue.put_nowait(item)
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(finished)
+
+    tasks = [asyncio.ensure_future(pump(p, s)) for p, s in enumerate(streams)]
+    open_streams = len(tasks)
+    try:
+        while open_streams:
+            item = await queue.get()
+            if item is finished:
+                open_streams -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            with contextlib.suppress(Exception):
+                await s.aclose()
 
 
 async def _chain(first, rest):

@@ -1,5 +1,6 @@
-"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, plus the prompt encoding the
-chat and completions endpoints share (so ``/tokenize`` gives the ids they count as prompt tokens).
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` in vLLM's shapes, plus the
+prompt encoding the chat and completions endpoints share (so ``/tokenize`` gives the ids they count
+as prompt tokens).
 """
 
 from __future__ import annotations
@@ -86,3 +87,44 @@ def detokenize(tokenizer, req: DetokenizeRequest) -> dict:
     """``{"prompt": text}`` for ``req.tokens`` (400 naming ``tokens`` for ids outside the vocabulary)."""
     check_token_ids(tokenizer, req.tokens, "tokens")
     return {"prompt": tokenizer.decode(req.tokens)}
+
+
+_LOCAL_FIELDS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local", "local_files_only")
+"""Tokenizer settings that describe this server's files, not the tokenizer: left out of ``/tokenizer_info``."""
+
+
+def _json_safe(value):
+    """A tokenizer setting as JSON: special-token objects become their text (``AddedToken.content``)."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+def tokenizer_info(tokenizer, max_model_len: int) -> dict:
+    """vLLM's ``GET /tokenizer_info``: the tokenizer's configuration as in its ``tokenizer_config.json``.
+
+    The tokenizer's own settings (``init_kwargs``, JSON-safe, without paths of
+    this server's files), plus ``tokenizer_class``, the special tokens as text
+    (``eos_token``, ``bos_token``, ``pad_token``, ``unk_token``; null when the
+    tokenizer has none) and ``chat_template`` (the one ``/v1/chat/completions``
+    applies). lm-eval's remote tokenizer reads the special tokens and the
+    template from it (then ``/tokenize`` and ``/detokenize`` for the ids), so an
+    evaluation needs no tokenizer download. ``max_model_len`` is this server's
+    context limit (also in ``/v1/models``).
+    """
+    info = {k: _json_safe(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+            if k not in _LOCAL_FIELDS}
+    for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        info[name] = _json_safe(getattr(tokenizer, name, None))
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        info["chat_template"] = template
+    info["tokenizer_class"] = type(tokenizer).__name__
+    info["max_model_len"] = max_model_len
+    return info

@@ -310,7 +310,6 @@ def test_tokenize_messages_matches_chat_prompt_tokens(client, server):
     ("/v1/chat/completions", {"model": MODEL, "messages": FRANCE, "response_format": {"type": "json_object"}}, 400,
      "response_format"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "!"}, 400, "suffix"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 0}, 400, "prompt_logprobs"),

@@ -255,6 +255,88 @@ def test_completion_echo_prepends_prompt_and_shifts_offsets(tokenizer, tt):
     assert body["choices"][0]["logprobs"]["text_offset"][0] == 3
 
 
+def _prompt_entries(tokenizer, text: str) -> tuple[list[int], list]:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids, [None] + [_lp(t, 1, _alternatives(tokenizer)) for t in ids[1:]]
+
+
+def test_completion_echo_with_logprobs_puts_the_prompt_tokens_first(tokenizer, tt):
+    """lm-eval's loglikelihood reads ``token_logprobs[ctxlen:-1]``: the prompt's tokens (the first null), then the
+    generated one; ``text_offset`` runs over the echoed text; streamed, the echo comes with its logprobs."""
+    prompt = "The capital of France is"
+    ids, entries = _prompt_entries(tokenizer, prompt)
+    items = _stream(tokenizer, {0: " Paris."}, [0, 0], k=1)
+    items[0].prompt_logprobs = entries
+    fmt = CompletionFormat(MODEL, tt, logprobs=True, echo=prompt, prompt_ids=[ids])
+    lp = _collect(fmt, items, 1)["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 2
+    assert "".join(lp["tokens"]) == prompt + " Paris."
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(len(lp["tokens"]))]
+    for tok, v, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+        assert top[tok] == v  # the actual token is always among the top entries (lm-eval's is_greedy)
+    fmt = CompletionFormat(MODEL, tt, logprobs=True, echo=prompt, prompt_ids=[ids])
+    events = _sse(fmt, items, 1)
+    first = events[0]["choices"][0]
+    assert first["text"] == prompt and first["logprobs"]["tokens"][0] == tokenizer.decode(ids[:1])
+    streamed = [e for ev in events[:-1] for e in ev["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == lp["token_logprobs"]
+
+
+def test_completion_several_prompts_number_choices_prompt_major(tokenizer, tt):
+    """Two prompts x n=2: choice p*n + i; usage counts each prompt once; echo per prompt."""
+    from deployments.openai_format import merge_prompt_streams
+
+    a = _stream(tokenizer, {0: " one", 1: " two"}, [0, 1])
+    b = _stream(tokenizer, {0: " three", 1: " four"}, [1, 0])
+    for c in b:
+        c.num_prompt_tokens = 3
+
+    async def go(stream: bool):
+        merged = merge_prompt_streams([_agen(a), _agen(b)], 2)
+        first = await merged.__anext__()
+        fmt = CompletionFormat(MODEL, tt, echo=["A:", "B:"], n=2)
+        if stream:
+            return [ev async for ev in fmt.sse(first, merged, 2, True, num_prompts=2)]
+        return await fmt.collect(first, merged, 2, num_prompts=2)
+
+    body = asyncio.run(go(False))
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == ["A: one", "A: two", "B: three", "B: four"]
+    assert body["usage"] == {"prompt_tokens": PROMPT_TOKENS + 3, "completion_tokens": 4, "total_tokens": PROMPT_TOKENS + 7}
+    events = [json.loads(e[6:-2]) for e in asyncio.run(go(True))[:-1]]
+    texts = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {0: "A: one", 1: "A: two", 2: "B: three", 3: "B: four"}
+    assert events[-1]["usage"]["prompt_tokens"] == PROMPT_TOKENS + 3
+
+
+def test_merged_prompt_streams_close_every_stream(tokenizer):
+    from deployments.openai_format import merge_prompt_streams
+
+    closed = []
+
+    async def endless(tag):
+        try:
+            while True:
+                yield GenerationChunk("r", [1], "x", index=0)
+                await asyncio.sleep(0)
+        finally:
+            closed.append(tag)
+
+    async def go():
+        merged = merge_prompt_streams([endless("a"), endless("b")], 1)
+        seen = {(await merged.__anext__()).index for _ in range(10)}
+        await merged.aclose()
+        return seen
+
+    assert asyncio.run(go()) == {0, 1}
+    assert sorted(closed) == ["a", "b"]
+
+
 def test_completion_sse_n2_with_usage(tokenizer, tt):
     items = _stream(tokenizer, TEXTS, _interleave(tokenizer, TEXTS), k=1)
     events = _sse(CompletionFormat(MODEL, tt, logprobs=True), items, 2, include_usage=True)
@@ -354,7 +436,6 @@ def test_chat_rejections_name_the_parameter(kwargs, param):
 @pytest.mark.parametrize("kwargs,param", [
     ({"logprobs": 6}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
-    ({"echo": True, "logprobs": 1}, "echo"),
     ({"suffix": "!"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"logit_bias": {"11": 5}}, "logit_bias"),
@@ -365,9 +446,109 @@ def test_completion_rejections_name_the_parameter(kwargs, param):
 
 
 @pytest.mark.parametrize("kwargs", [{"echo": True}, {"response_format": {"type": "text"}}, {"best_of": 1},
-                                    {"min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 16}])
+                                    {"min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 16},
+                                    {"echo": True, "logprobs": 1}])
 def test_completion_accepts(kwargs):
     assert _error_param(CompletionRequest, prompt="hi", **kwargs) is None
+
+
+# ---- conformance: model, output limits, seeds, prompt shapes ----------------------------------
+
+def test_model_is_optional():
+    assert ChatCompletionRequest(messages=FRANCE).model is None
+    assert CompletionRequest(prompt="hi").model is None
+
+
+def test_completions_output_limit_default_16_and_max_completion_tokens():
+    body = CompletionRequest(prompt="hi")
+    assert body.output_limit() is None and body.default_output_limit(500) == 16 and body.default_output_limit(9) == 9
+    assert CompletionRequest(prompt="hi", max_completion_tokens=10).output_limit() == 10
+    assert CompletionRequest(prompt="hi", max_tokens=30, max_completion_tokens=10).output_limit() == 10
+    chat = ChatCompletionRequest(messages=FRANCE)
+    assert chat.output_limit() is None and chat.default_output_limit(500) == 500  # chat: the rest of the context
+    assert _error_param(CompletionRequest, prompt="hi", max_completion_tokens=0) == "max_completion_tokens"
+
+
+@pytest.mark.parametrize("seed,ok", [(-(2**63), True), (2**63 - 1, True), (-1, True), (2**63, False),
+                                     (2**64 - 1, False), (-(2**63) - 1, False)])
+def test_seeds_are_int64(seed, ok):
+    assert (_error_param(ChatCompletionRequest, messages=FRANCE, seed=seed) is None) is ok
+    if not ok:
+        assert _error_param(ChatCompletionRequest, messages=FRANCE, seed=seed) == "seed"
+
+
+def test_seeds_that_alias_on_the_cpu_generator_get_unrelated_streams():
+    """torch's CPU generator keeps 32 bits of its seed: -1, 2**63 - 1 (and 2**64 - 1) were one stream."""
+    import torch
+
+    from replicas.request import SamplingParams
+    from replicas.sampler import generator_seed, make_generator
+
+    draws = {}
+    for seed in (-1, 2**63 - 1, 1, 2**32 + 1, 0):
+        gen = make_generator(SamplingParams(temperature=1.0, seed=seed))
+        draws[seed] = torch.rand(4, generator=gen).tolist()
+    assert len({tuple(v) for v in draws.values()}) == len(draws)
+    again = make_generator(SamplingParams(temperature=1.0, seed=-1))
+    assert torch.rand(4, generator=again).tolist() == draws[-1]  # still reproducible
+    assert len({generator_seed(s) & 0xFFFFFFFF for s in range(-1000, 1000)}) == 2000
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("hi", ["hi"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]), ([[1, 2], [3]], [[1, 2], [3]]),
+    (["only"], ["only"]),
+])
+def test_completion_prompt_shapes(prompt, expected):
+    assert CompletionRequest(prompt=prompt).prompt == expected
+
+
+@pytest.mark.parametrize("prompt,needle", [
+    ([[1, "a"]], "prompt 0, element 1: token ids must be integers, got a string"),
+    ([1, "a"], "element 1 is a string, but element 0 makes this a list of token ids"),
+    (["a", [1]], "element 1 is a list, but element 0 makes this a list of strings"),
+    (5, "expected a string, a list of strings, a list of token ids or a list of token-id lists, got a number"),
+    ([], "must not be empty"), ([[]], "prompt 0 is an empty list of token ids"),
+    ([True], "got a boolean"), ([{"text": "x"}], "got an object"),
+])
+def test_completion_prompt_errors_say_what_is_wrong(prompt, needle):
+    from pydantic import ValidationError
+
+    from deployments.protocol import validation_error
+
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest(prompt=prompt)
+    err = validation_error(info.value.errors())
+    assert err.param == "prompt" and needle in err.message, err.message
+    assert "prompt.str" not in err.message and "Value error" not in err.message
+
+
+@pytest.mark.parametrize("kwargs,param,needle", [
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     "expected a string or a list of objects, got a number"),
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages.0.content.0.type", "'text'"),
+    ({"messages": FRANCE, "stop": 5}, "stop", "expected a string or a list of strings, got a number"),
+    ({"messages": FRANCE, "stop": ["a", 5]}, "stop.1", "valid string"),
+])
+def test_union_errors_are_one_clear_message(kwargs, param, needle):
+    from pydantic import ValidationError
+
+    from deployments.protocol import validation_error
+
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest(**kwargs)
+    err = validation_error(info.value.errors())
+    assert err.param == param and needle in err.message, err.message
+
+
+def test_too_many_choices_are_refused():
+    assert _error_param(CompletionRequest, prompt=["x"] * 65, n=2) == "prompt"
+    assert _error_param(CompletionRequest, prompt=["x"] * 64, n=2) is None
+
+
+def test_echo_with_logprobs_asks_for_prompt_logprobs():
+    assert CompletionRequest(prompt="hi", echo=True, logprobs=2).sampling_params(4).prompt_logprobs == 2
+    assert CompletionRequest(prompt="hi", logprobs=2).sampling_params(4).prompt_logprobs is None
+    assert CompletionRequest(prompt="hi", echo=True).sampling_params(4).prompt_logprobs is None
 
 
 # ---- tokenize helpers ------------------------------------------------------------------------
