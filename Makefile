@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 # On our CPU dev/CI machines `torch==2.13.0` is a local CPU build; elsewhere it is PyPI's build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-test serve test test-stress test-cluster lint
+.PHONY: install install-test install-lmeval serve test test-stress test-cluster test-lmeval lint
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
@@ -14,6 +14,9 @@ install:
 
 install-test: install
 	$(PIP) install -q -e ".[test]"
+
+install-lmeval: install-test
+	$(PIP) install -q -e ".[test,lmeval]"
 
 serve: install
 	serve run deployments.app:app
@@ -27,6 +30,10 @@ test-stress: install-test
 
 test-cluster: install-test
 	$(PYTHON) -m pytest -q -m cluster tests/deployments/test_cluster.py
+
+# lm-eval (GSM8K chat + completions, a loglikelihood task) against the app.
+test-lmeval: install-lmeval
+	$(PYTHON) -m pytest -q -m lmeval tests/lmeval
 
 lint:
 	$(PYTHON) -m ruff check .

@@ -93,6 +93,8 @@ class Router:
         self.in_flight = 0
         self.spillovers = 0
         self.overloaded = 0
+        self.served = {Lane.PERSISTENT.value: 0, Lane.STANDARD.value: 0}
+        """Requests whose output came from each lane (counted at their first chunk)."""
         self._spill_counter = spillover_counter()
         self._unhealthy_until = 0.0
         self._unsupported_until = 0.0
@@ -109,7 +111,7 @@ class Router:
     def stats(self) -> dict:
         """Router counters for ``/debug/stats``."""
         return {"persistent_in_flight": self.in_flight, "spillovers": self.spillovers,
-                "overloaded": self.overloaded}
+                "overloaded": self.overloaded, "served": dict(self.served)}
 
     def decide(self, g: GenerateRequest):
         """The lane decision for ``g`` (pure: policy admission + lane choice)."""
@@ -159,6 +161,13 @@ class Router:
         })
         clock = RequestClock(arrival)
         fell_back = False  # once true, downstream hops are sampled (fallback traces are always kept)
+        counted = False
+
+        def count(item) -> None:
+            nonlocal counted
+            if not counted and isinstance(item, GenerationChunk) and item.lane in self.served:
+                self.served[item.lane] += 1
+                counted = True
 
         def hop(request: GenerateRequest) -> GenerateRequest:
             return dataclasses.replace(request, trace_context=inject_context(span, force_sample=fell_back))
@@ -189,6 +198,7 @@ class Router:
                                 self._fallback(span, item.fallback_reason, "prelaunch", g.request_id,
                                                lane="persistent", continued_on="reference_decode")
                             clock.chunk(item)
+                            count(item)
                             yield item
                     finally:
                         self.in_flight -= 1
@@ -205,6 +215,7 @@ class Router:
             try:
                 async for item in self.standard.options(stream=True).generate.remote(hop(g)):
                     clock.chunk(item)
+                    count(item)
                     yield item
             except BackPressureError as exc:
                 self.overloaded += 1
