@@ -336,7 +336,8 @@ class CompletionRequest(_SamplingFields):
     none: ``null``), computed in the prefill on the standard lane.
     """
 
-    prompt: list[str | list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    """OpenAI's shapes (the API schema); always a list of prompts once validated (:func:`parse_prompts`)."""
     logprobs: StrictInt | None = Field(None, ge=0, le=5)
     echo: bool = False
     max_completion_tokens: int | None = Field(None, ge=1)

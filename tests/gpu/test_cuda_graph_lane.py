@@ -95,3 +95,67 @@ def test_small_random_gpt_oss_20_prompts_x_128_tokens():
     assert core.runner.graphs is not None and core.runner.graphs.batch_sizes[-1] == 16
     # at most 16 sequences at once (GPT-OSS's graph limit): the last 4 prompts decode in the 4-bucket
     _lanes_agree(core, SMALL_GPT_OSS["vocab_size"], max_num_seqs=16)
+
+
+class _LetterTokenizer:
+    """A complete (if plain) tokenizer for random-weight models: id ``i`` is two letters, base 26. Stop strings
+    then have text to match; the lane's stop checks do not depend on which tokenizer it is."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) + chr(97 + (i // 26) % 26) for i in ids)
+
+
+def test_host_checks_on_captured_quanta_match_the_standard_lane():
+    """Stop strings, stop ids under min_tokens (the host recomputes the banned position) on captured, pipelined
+    quanta: the standard lane's tokens and text at every stop position of the first three quanta."""
+    from ops.bench.engine import SMOLLM2_135M, build_core
+    from replicas.engine import LLMEngine
+    from replicas.messages import GenerateRequest
+    from replicas.persistent.cuda_graph import CudaGraphBackend
+    from replicas.persistent.lane import PersistentLane
+    from replicas.request import SamplingParams
+
+    # untied: random weights with a tied LM head mostly predict the input token again (its embedding dominates
+    # the residual stream); an LM head of its own makes the next token a random function of the last: varied text
+    core = build_core({**SMOLLM2_135M, "tie_word_embeddings": False}, torch.device("cuda"), torch.float32,
+                      max_model_len=512, tokenizer=_LetterTokenizer())
+    core.model.lm_head.weight.data.mul_(20)  # wide argmax margins
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in (37, 120, 250)]
+    base = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def standard(params_by_id: dict) -> dict:
+        engine = LLMEngine(core)
+        for rid, (p, params) in params_by_id.items():
+            engine.add_request(rid, p, params)
+        out: dict = {rid: ([], "", None) for rid in params_by_id}
+        while engine.has_unfinished():
+            for c in engine.step():
+                ids, text, _ = out[c.request_id]
+                out[c.request_id] = (ids + c.token_ids, text + c.text, c.finish_reason)
+        return out
+
+    ref = standard({f"r{i}": (p, base) for i, p in enumerate(prompts)})
+    cases = {}
+    for i, p in enumerate(prompts):
+        tokens, _, _ = ref[f"r{i}"]
+        banned = tuple(dict.fromkeys(tokens[1:12:3]))  # ids the device emits inside the first quanta
+        for k in range(25):
+            # the text of the first k+1 tokens: a stop string first completed by token k (random weights
+            # often repeat one token, so a shorter one could match earlier)
+            stop = _LetterTokenizer().decode(tokens[: k + 1])
+            cases[f"s{i}.{k}"] = (p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,)))
+            # stop ids min_tokens bans for k+1 tokens: the host recomputes each position where one came out
+            cases[f"m{i}.{k}"] = (p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                    stop_token_ids=banned, min_tokens=k + 1))
+    expected = standard(cases)
+    lane = PersistentLane(core, CudaGraphBackend(core.model, torch.device("cuda"), core.config.max_model_len))
+    assert lane.backend.use_graphs
+    for rid, (p, params) in cases.items():
+        chunks = list(lane.generate(GenerateRequest(rid, p, params)))
+        got = ([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1].finish_reason)
+        assert got == expected[rid], rid
+        assert core.allocator.num_free == core.allocator.num_blocks
+    assert len(cases) > 100 and lane.min_tokens_recomputes > 0 and not lane.backend._in_flight
