@@ -127,13 +127,13 @@ def test_multiple_choice_loglikelihood_through_echo_and_logprobs(app, tmp_path):
     before = _served(app)
     results = lm_eval("local-completions",
                       {"base_url": f"{app}/v1/completions", "model": MODEL, "num_concurrent": 1,
-                       "max_retries": 1, "timeout": 600, "batch_size": 4},
-                      "choices_local", tmp_path)
+                       "max_retries": 1, "timeout": 600},
+                      "choices_local", tmp_path, "--batch_size", "4")  # 4 prompts per request
     acc = results["results"]["choices_local"]["acc,none"]
     samples = _samples(tmp_path, "choices_local")
     assert len(samples) == 6
     for s in samples:  # one (logprob, is_greedy) per answer, all finite and negative
-        values = [r[0][0] for r in s["resps"]]
+        values = [float(r[0][0]) for r in s["resps"]]  # logged as text
         assert len(values) == 4 and all(v < 0 for v in values)
     assert acc >= 0.5, results["results"]  # a 135M model still knows most of these
     assert _served(app)["standard"] - before["standard"] == 24  # 6 questions x 4 answers, all with logprobs
