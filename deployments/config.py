@@ -63,6 +63,11 @@ class AppConfig(BaseModel):
         None, ge=0, description="GPUs per engine actor; default 1 when the engine device is CUDA, else 0."
     )
     tracing: TracingConfig = Field(default_factory=TracingConfig, description="OpenTelemetry exporter settings.")
+    harmony_start_date: str = Field(
+        "today", pattern=r"^(today|none|\d{4}-\d{2}-\d{2})$",
+        description="Harmony (GPT-OSS) prompts: the system message's `Current date:` line: today (the "
+        "ingress's local date, as vLLM), none (no line), or a fixed YYYY-MM-DD date.",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -33,6 +33,8 @@ class AdmissionInput:
         has_logits_processing: the logits are changed before the argmax
             (presence/frequency/repetition penalties, min_tokens bans): a
             persistent decoder's plain on-device argmax would pick other tokens.
+        has_structured_output: the output is constrained by a grammar (a JSON schema's token mask,
+            applied by the standard lane's sampler every token).
         has_stop_strings: the request has stop strings.
         has_stop_token_sequences: the request has multi-token stop sequences.
         kv_transfer: the request imports/exports KV cache.
@@ -56,6 +58,7 @@ class AdmissionInput:
     top_k: int | None = None
     logprobs: bool = False
     has_logits_processing: bool = False
+    has_structured_output: bool = False
     has_stop_strings: bool = False
     has_stop_token_sequences: bool = False
     kv_transfer: bool = False
@@ -102,6 +105,7 @@ def check_admission(inp: AdmissionInput) -> Reason | None:
         (not inp.is_greedy, Reason.NON_GREEDY),
         (inp.logprobs, Reason.LOGPROBS),
         (inp.has_logits_processing, Reason.LOGITS_PROCESSING),
+        (inp.has_structured_output, Reason.STRUCTURED_OUTPUT),
         (inp.has_stop_strings, Reason.STOP_STRINGS),
         (inp.has_stop_token_sequences, Reason.STOP_TOKEN_SEQUENCES),
         (inp.kv_transfer, Reason.KV_TRANSFER),

@@ -38,6 +38,11 @@ class Reason(str, Enum):
         "logits_processing",
         "Greedy but the logits are changed first (penalties, min_tokens): ours, beyond the seed's list.",
     )
+    STRUCTURED_OUTPUT = (
+        "structured_output",
+        "The output is constrained by a grammar (response_format json_object/json_schema): the token mask "
+        "needs the host every token, so it runs on the standard lane's sampler.",
+    )
     STOP_STRINGS = ("stop_strings", "The request has stop strings.")
     STOP_TOKEN_SEQUENCES = ("stop_token_sequences", "The request has multi-token stop sequences.")
     KV_TRANSFER = ("kv_transfer", "The request imports or exports KV cache.")
@@ -60,6 +65,7 @@ ADMISSION_ORDER: tuple[Reason, ...] = (
     Reason.NON_GREEDY,
     Reason.LOGPROBS,
     Reason.LOGITS_PROCESSING,
+    Reason.STRUCTURED_OUTPUT,
     Reason.STOP_STRINGS,
     Reason.STOP_TOKEN_SEQUENCES,
     Reason.KV_TRANSFER,

@@ -22,6 +22,7 @@ from replicas.request import FinishReason, Request, SamplingParams
 from replicas.sampler import SamplingRow, make_generator, sample_rows
 from replicas.scheduler import Scheduler, SchedulerConfig
 from replicas.stops import check_stop
+from replicas.structured_output import GrammarCompiler
 
 
 @dataclass
@@ -35,6 +36,14 @@ class EngineCore:
     allocator: PageAllocator
     runner: ModelRunner
     eos_token_ids: frozenset[int]
+    _grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' grammar compiler over this tokenizer (built at first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer)
+        return self._grammars
 
     @classmethod
     def load(cls, config: EngineConfig, enable_prefix_caching: bool | None = None) -> EngineCore:
@@ -91,10 +100,11 @@ class EngineCore:
 class _Tracked:
     """Per-sequence bookkeeping of the standard engine (one per choice of an ``n > 1`` request)."""
 
-    __slots__ = ("req", "parent_id", "detok", "generator")
+    __slots__ = ("req", "parent_id", "detok", "generator", "constraint")
 
-    def __init__(self, req: Request, parent_id: str, detok: IncrementalDetokenizer, generator):
+    def __init__(self, req: Request, parent_id: str, detok: IncrementalDetokenizer, generator, constraint=None):
         self.req, self.parent_id, self.detok, self.generator = req, parent_id, detok, generator
+        self.constraint = constraint  # a structured output's TokenConstraint, or None
 
 
 class LLMEngine:
@@ -123,10 +133,16 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request (``params.n`` sequences). Raises ``ValueError`` for a bad prompt or a duplicate id."""
+        """Queue a request (``params.n`` sequences).
+
+        Raises:
+            ValueError: a bad prompt, a duplicate id, or a structured output whose grammar does not compile.
+        """
         if request_id in self._children:
             raise ValueError(f"duplicate request id {request_id}")
         self.core.validate_prompt(prompt_token_ids, params.max_tokens)
+        spec = params.structured_output
+        constraints = [self.core.grammars.constraint(spec) if spec else None for _ in range(params.n)]
         leader = None
         children = []
         for i in range(params.n):
@@ -138,7 +154,8 @@ class LLMEngine:
             if leader is None and params.n > 1 and self.core.allocator.enable_prefix_caching:
                 leader = req
             detok = IncrementalDetokenizer(self.core.tokenizer, p.stop)
-            self._tracked[seq_id] = _Tracked(req, request_id, detok, make_generator(p, self.core.runner.device))
+            self._tracked[seq_id] = _Tracked(req, request_id, detok, make_generator(p, self.core.runner.device),
+                                             constraints[i])
             children.append(seq_id)
             self.scheduler.add(req)
         self._children[request_id] = children
@@ -186,11 +203,16 @@ class LLMEngine:
         banned: frozenset[int] = frozenset()
         if req.num_output_tokens < p.min_tokens:
             banned = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.core.eos_token_ids)
-        return SamplingRow(p, t.generator, req.prompt_token_ids, req.output_token_ids, banned)
+        mask = None
+        if t.constraint is not None:
+            mask = t.constraint.allowed(self.core.model.config.vocab_size, self.core.runner.device)
+        return SamplingRow(p, t.generator, req.prompt_token_ids, req.output_token_ids, banned, mask)
 
     def _postprocess(self, t: _Tracked, token: int, logprobs: TokenLogprobs | None) -> GenerationChunk:
         req = t.req
         req.output_token_ids.append(token)
+        if t.constraint is not None:
+            t.constraint.accept(token)
         past_min = req.num_output_tokens >= req.params.min_tokens
         finish = check_stop(req, self.core.eos_token_ids, self.core.config.max_model_len)
         text = t.detok.append([token], final=finish is not None, check_stops=past_min)

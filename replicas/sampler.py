@@ -12,7 +12,9 @@ Pipeline (vLLM's order), per row, in :func:`sample_rows`:
    ``k = params.logprobs`` most likely ``(token_id, logprob)``.
 2. **bans**: ``banned_token_ids`` are set to ``-inf`` (the engine bans EOS and
    stop ids while fewer than ``min_tokens`` were generated, see
-   :func:`min_tokens_banned_ids`).
+   :func:`min_tokens_banned_ids`), and so is every token outside
+   ``allowed_token_mask`` (a structured output's grammar,
+   :mod:`replicas.structured_output`).
 3. **repetition penalty** over prompt + output tokens (CTRL, Keskar et al.
    2019; HF ``RepetitionPenaltyLogitsProcessor``).
 4. **presence / frequency penalties** over output tokens only (OpenAI API).
@@ -83,6 +85,8 @@ class SamplingRow:
         output_token_ids: tokens generated so far (all penalties).
         banned_token_ids: ids masked to ``-inf`` before anything else; ids
             outside ``[0, vocab)`` are ignored (they cannot be sampled anyway).
+        allowed_token_mask: bool ``[vocab]`` (the logits' device): only True tokens may be
+            picked (a grammar's mask); None allows every token.
     """
 
     params: SamplingParams
@@ -90,6 +94,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     banned_token_ids: frozenset[int] = frozenset()
+    allowed_token_mask: torch.Tensor | None = None
 
     @property
     def uses_repetition_penalty(self) -> bool:
@@ -106,6 +111,7 @@ class SamplingRow:
         return (
             not self.params.is_greedy
             or bool(self.banned_token_ids)
+            or self.allowed_token_mask is not None
             or self.uses_repetition_penalty
             or self.uses_additive_penalties
         )
@@ -299,6 +305,9 @@ def _process_and_pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
             if sum(1 for t in rows[j].banned_token_ids if 0 <= t < vocab) >= vocab:
                 raise ValueError("every token of the vocabulary is banned; nothing can be sampled")
         x[ban] = apply_bans(x[ban], [rows[j].banned_token_ids for j in ban])
+    for j, r in enumerate(rows):  # a grammar's mask (structured outputs)
+        if r.allowed_token_mask is not None:
+            x[j] = x[j].masked_fill(~r.allowed_token_mask[:vocab], _NEG_INF)
     # 3. repetition penalty (prompt + output)
     rep = [j for j, r in enumerate(rows) if r.uses_repetition_penalty]
     if rep:

@@ -6,7 +6,14 @@ reasoning, content and tool calls. docs/harmony.md describes the whole path.
 """
 
 from deployments.harmony.parser import ASSISTANT_STOP_TOKENS, Delta, HarmonyOutputParser, ToolCall
-from deployments.harmony.render import EFFORTS, FunctionTool, HarmonyPrompt, RenderError, render_chat, start_date
+from deployments.harmony.render import (
+    EFFORTS,
+    FunctionTool,
+    HarmonyPrompt,
+    RenderError,
+    render_chat,
+    start_date,
+)
 from deployments.harmony.vocab import VocabularyError, ensure_vocab_file, harmony_encoding
 
 __all__ = [

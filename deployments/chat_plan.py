@@ -1,0 +1,162 @@
+"""How a chat request becomes a prompt, engine parameters and a response format.
+
+The chat format is resolved once per ingress from the tokenizer: ``harmony`` when its
+vocabulary is GPT-OSS's (``<|start|>`` = 200006, ``<|channel|>`` = 200005, ...), else
+the checkpoint's chat template. ``/debug/stats`` shows it (``chat_format``).
+
+* harmony: the prompt is rendered by :mod:`deployments.harmony.render` (tools,
+  ``reasoning_effort``, the conversation start date from ``harmony_start_date``),
+  ``<|return|>`` and ``<|call|>`` are added to the stop tokens, and the answer is
+  parsed from token ids (:class:`~deployments.harmony.chat_format.HarmonyChatFormat`);
+* chat template: as before; ``tools`` are refused (400: no tool-call format for it).
+
+``response_format`` (``json_object`` / ``json_schema``) becomes a
+:class:`~replicas.structured_output.StructuredOutput` for the standard lane's sampler on
+either format; for harmony it starts after ``<|channel|>final<|message|>`` (the reasoning
+stays free) and a ``json_schema`` is also named in the developer message.
+``tool_choice``: ``none`` declares no tools; a named function declares only that one;
+``auto`` and ``required`` declare them all (``required`` is not enforced by a grammar: a
+reply without a call comes back as a plain answer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from deployments.openai_format import ChatFormat
+from deployments.protocol import OpenAIError
+from deployments.tokenize_api import encode_chat
+from replicas.request import SamplingParams
+from replicas.structured_output import GrammarError, StructuredOutput, structured_output
+
+HARMONY_TOKENS = {"<|start|>": 200006, "<|channel|>": 200005, "<|message|>": 200008, "<|end|>": 200007,
+                  "<|return|>": 200002, "<|call|>": 200012}
+"""Harmony's special tokens in the o200k_harmony vocabulary: a tokenizer with all of them speaks harmony."""
+
+
+def is_harmony_tokenizer(tokenizer) -> bool:
+    """True when ``tokenizer`` has GPT-OSS's harmony special tokens at their ids."""
+    try:
+        return all(tokenizer.convert_tokens_to_ids(t) == i for t, i in HARMONY_TOKENS.items())
+    except Exception:  # noqa: BLE001 - a tokenizer without these tokens
+        return False
+
+
+@dataclass
+class ChatPlan:
+    """One chat request, ready for the engine.
+
+    Attributes:
+        token_ids: the prompt.
+        stop_token_ids: token ids to add to the request's own (harmony: ``<|return|>``, ``<|call|>``).
+        structured_output: the grammar for ``response_format``, or None.
+        declared_tools: function names the harmony prompt declared (None: not harmony).
+        include_reasoning: return the reasoning (harmony).
+    """
+
+    token_ids: list[int]
+    stop_token_ids: tuple[int, ...] = ()
+    structured_output: StructuredOutput | None = None
+    declared_tools: frozenset[str] | None = None
+    include_reasoning: bool = True
+
+    def apply(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with this plan's stop tokens and grammar."""
+        stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.stop_token_ids)))
+        return replace(params, stop_token_ids=stops, structured_output=self.structured_output)
+
+
+class ChatPlanner:
+    """Per ingress: the chat format of the served model and the plan of each chat request.
+
+    Args:
+        tokenizer: the model's HF tokenizer.
+        model_dir: the checkpoint directory (its ``tokenizer.json`` supplies harmony's vocabulary file).
+        start_date: harmony's ``Current date:`` setting (``today``, ``none`` or ``YYYY-MM-DD``).
+    """
+
+    def __init__(self, tokenizer, model_dir: str | Path | None = None, start_date: str = "today"):
+        self.tokenizer = tokenizer
+        self.harmony = is_harmony_tokenizer(tokenizer)
+        self.start_date = start_date
+        self.encoding = None
+        if self.harmony:
+            from deployments.harmony import harmony_encoding
+
+            tj = Path(model_dir) / "tokenizer.json" if model_dir else None
+            self.encoding = harmony_encoding(str(tj) if tj and tj.is_file() else None)
+            self.final_opening = tuple(self.encoding.encode("<|channel|>final<|message|>", allowed_special="all"))
+
+    def describe(self) -> dict:
+        """For ``/debug/stats``."""
+        return {"chat_format": "harmony" if self.harmony else "chat_template",
+                **({"harmony_start_date": self.start_date} if self.harmony else {})}
+
+    def _structured(self, body) -> StructuredOutput | None:
+        fmt = body.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        try:
+            return structured_output(fmt.schema_or_none(), self.final_opening if self.harmony else ())
+        except GrammarError as exc:
+            raise OpenAIError(str(exc), param="response_format") from exc
+
+    def plan(self, body) -> ChatPlan:
+        """The plan of a :class:`~deployments.protocol.ChatCompletionRequest`.
+
+        Raises:
+            OpenAIError: 400 for tools on a model without a tool format, a schema that does not
+                compile, or a conversation harmony cannot render.
+        """
+        structured = self._structured(body)
+        if not self.harmony:
+            if body.tools and body.tool_choice != "none":
+                raise OpenAIError("tools are supported for models that use the harmony format (GPT-OSS); this "
+                                  "model's chat template has no tool-call format", param="tools",
+                                  code="unsupported_parameter")
+            return ChatPlan(encode_chat(self.tokenizer, body.messages), structured_output=structured)
+        return self.plan_harmony([m.model_dump(exclude_none=True) for m in body.messages], body.tools,
+                                 body.tool_choice, body.reasoning_effort, body.response_format, structured,
+                                 body.include_reasoning)
+
+    def plan_harmony(self, messages: list[dict], tools, tool_choice, reasoning_effort, response_format,
+                     structured: StructuredOutput | None, include_reasoning: bool = True) -> ChatPlan:
+        """The harmony plan of already-validated fields (also used by the Responses API)."""
+        from deployments.harmony import FunctionTool, RenderError, render_chat, start_date
+
+        declared = list(tools or ())
+        if tool_choice == "none":
+            declared = []
+        elif tool_choice is not None and not isinstance(tool_choice, str):
+            declared = [t for t in declared if t.function.name == tool_choice.function.name]
+        fmt = None
+        if response_format is not None and response_format.type == "json_schema" and response_format.json_schema:
+            js = response_format.json_schema
+            fmt = (js.name, js.schema_, js.description)
+        for i, m in enumerate(messages):
+            for key in ("content", "reasoning_content", "reasoning"):
+                if isinstance(m.get(key), str):
+                    try:
+                        m[key].encode("utf-8")
+                    except UnicodeEncodeError as exc:
+                        raise OpenAIError(f"messages[{i}].{key} is not valid Unicode text ({exc.reason})",
+                                          param=f"messages.{i}.{key}") from exc
+        try:
+            prompt = render_chat(
+                messages,
+                tools=[FunctionTool(t.function.name, t.function.description or "", t.function.parameters)
+                       for t in declared],
+                reasoning_effort=reasoning_effort, conversation_start_date=start_date(self.start_date),
+                response_format=fmt, encoding=self.encoding)
+        except RenderError as exc:
+            raise OpenAIError(str(exc), param=exc.param or "messages") from exc
+        return ChatPlan(prompt.token_ids, prompt.stop_token_ids, structured, prompt.declared_tools, include_reasoning)
+
+    def formatter(self, plan: ChatPlan, model: str, tokens, logprobs: bool):
+        """The response formatter for ``plan``."""
+        if plan.declared_tools is None:
+            return ChatFormat(model, tokens, logprobs)
+        from deployments.harmony.chat_format import HarmonyChatFormat
+
+        return HarmonyChatFormat(model, tokens, logprobs, self.encoding, plan.declared_tools, plan.include_reasoning)
