@@ -39,6 +39,7 @@ from deployments.protocol import (
     validation_error,
 )
 from deployments.replicas import engine_actor_stats
+from deployments.responses_api import ResponsesRequest, serve_responses
 from deployments.router import Router
 from deployments.tokenize_api import (
     DetokenizeRequest,
@@ -181,6 +182,10 @@ class OpenAIIngress:
         self._check_common(body)
         plan = self.chat_planner.plan(body)
         return await self._serve(body, plan.token_ids, chat=True, http=request, plan=plan)
+
+    @api.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest, request: Request):
+        return await serve_responses(self, body, request)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):

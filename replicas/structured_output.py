@@ -63,7 +63,7 @@ def structured_output(schema: dict | None, start_after: tuple[int, ...] = ()) ->
     Raises:
         GrammarError: the schema cannot be compiled.
     """
-    spec = StructuredOutput(json.dumps(JSON_OBJECT_SCHEMA if schema is None else schema, sort_keys=True),
+    spec = StructuredOutput(json.dumps(JSON_OBJECT_SCHEMA if schema is None else schema),  # key order matters
                             tuple(start_after))
     spec.grammar()
     return spec

@@ -118,6 +118,7 @@ class HarmonyOutputParser:
         self.errors: list[str] = []
         self.ended_with: int | None = None  # RETURN / CALL once the turn ended
         self.num_tokens = 0
+        self.reasoning_tokens = 0  # tokens of analysis-channel text (the Responses API's usage)
 
     # ---- public --------------------------------------------------------------------------
     def feed(self, token_ids) -> Delta:
@@ -141,6 +142,8 @@ class HarmonyOutputParser:
                 self._body = []
             else:
                 self._flush_text(out, final=True)
+        elif self.state == "HEADER" and self._header and CHANNEL not in self._header:
+            self._header_as_content(out)
         elif self.state == "HEADER" and self._header:
             self.errors.append("the output ended inside a message header")
         self.state = "DONE"
@@ -181,7 +184,10 @@ class HarmonyOutputParser:
                 self._unexpected(t, "inside a message header (the header was dropped)")
                 self._header = []
             elif t in (END, RETURN, CALL):
-                self._unexpected(t, "inside a message header (the header was dropped)")
+                if self._header and CHANNEL not in self._header:  # plain text where a header belongs
+                    self._header_as_content(out)
+                else:
+                    self._unexpected(t, "inside a message header (the header was dropped)")
                 self._header = []
                 self.state = "DONE" if t in (RETURN, CALL) else "EXPECT_START"
             else:
@@ -203,7 +209,17 @@ class HarmonyOutputParser:
         elif self._route == "call":
             self._body.append(t)
         else:
+            if self._route == "reasoning":
+                self.reasoning_tokens += 1
             self.content_piece(t, out)
+
+    def _header_as_content(self, out: Delta) -> None:
+        self.errors.append("text outside a harmony message (kept as content)")
+        self._route = "content"
+        for h in self._header:
+            self.content_piece(h, out)
+        self._flush_text(out, final=True)
+        self._route, self._header = None, []
 
     def content_piece(self, t: int, out: Delta) -> None:
         # the token's raw bytes (the public decode() replaces a partial UTF-8 character per call)
