@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> dict:
     p.add_argument("--spillover-wait-s", type=float,
                    help="seconds an eligible request waits for a busy persistent pool before going standard "
                         "(default 0.5)")
+    p.add_argument("--harmony-start-date", metavar="DATE",
+                   help="GPT-OSS (harmony) prompts' `Current date:`: today (default), none, or YYYY-MM-DD")
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
