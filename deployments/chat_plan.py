@@ -14,13 +14,16 @@ the checkpoint's chat template. ``/debug/stats`` shows it (``chat_format``).
 :class:`~replicas.structured_output.StructuredOutput` for the standard lane's sampler on
 either format; for harmony it starts after ``<|channel|>final<|message|>`` (the reasoning
 stays free) and a ``json_schema`` is also named in the developer message.
-``tool_choice``: ``none`` declares no tools; a named function declares only that one;
-``auto`` and ``required`` declare them all (``required`` is not enforced by a grammar: a
-reply without a call comes back as a plain answer).
+``tool_choice``: ``none`` declares no tools; ``auto`` declares them all and the model decides;
+``required`` (all declared) and a named function (only it declared) are enforced by a grammar
+over the whole reply (optional reasoning, then a call whose arguments match the function's
+schema), so they run on the standard lane like other structured outputs.
 """
 
 from __future__ import annotations
 
+import datetime
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,6 +32,16 @@ from deployments.protocol import OpenAIError
 from deployments.tokenize_api import encode_chat
 from replicas.request import SamplingParams
 from replicas.structured_output import GrammarError, StructuredOutput, structured_output
+
+logger = logging.getLogger(__name__)
+
+TEMPLATE_PROBES = (
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Bonjour", "reasoning_content": "Greet back."}, {"role": "user", "content": "Bye"}],
+)
+"""Conversations (no tools) on which a harmony checkpoint's own chat template must give our ids."""
 
 HARMONY_TOKENS = {"<|start|>": 200006, "<|channel|>": 200005, "<|message|>": 200008, "<|end|>": 200007,
                   "<|return|>": 200002, "<|call|>": 200012}
@@ -87,11 +100,45 @@ class ChatPlanner:
             tj = Path(model_dir) / "tokenizer.json" if model_dir else None
             self.encoding = harmony_encoding(str(tj) if tj and tj.is_file() else None)
             self.final_opening = tuple(self.encoding.encode("<|channel|>final<|message|>", allowed_special="all"))
+        self.template_check = self.check_checkpoint_template() if self.harmony else None
 
     def describe(self) -> dict:
         """For ``/debug/stats``."""
         return {"chat_format": "harmony" if self.harmony else "chat_template",
-                **({"harmony_start_date": self.start_date} if self.harmony else {})}
+                **({"harmony_start_date": self.start_date, "checkpoint_chat_template": self.template_check}
+                   if self.harmony else {})}
+
+    def check_checkpoint_template(self, template: str | None = None) -> str:
+        """Whether the checkpoint's own chat template gives the harmony renderer's ids on
+        :data:`TEMPLATE_PROBES` at each reasoning effort: ``agrees``, ``differs: ...`` (logged as a
+        warning; prompts are rendered by openai-harmony either way) or ``none`` (no template).
+
+        ``template`` replaces the tokenizer's (tests). The template gets ``reasoning_effort`` and
+        ``conversation_start_date`` (today, which is also what a template's ``strftime_now`` gives).
+        """
+        from deployments.harmony import render_chat
+
+        template = template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            return "none"
+        today = datetime.date.today().isoformat()
+        for conversation in TEMPLATE_PROBES:
+            for effort in ("low", "medium", "high"):
+                want = render_chat(conversation, reasoning_effort=effort, conversation_start_date=today,
+                                   encoding=self.encoding).token_ids
+                try:
+                    text = self.tokenizer.apply_chat_template(
+                        conversation, chat_template=template, add_generation_prompt=True, tokenize=False,
+                        reasoning_effort=effort, conversation_start_date=today)
+                    got = list(self.tokenizer.encode(text, add_special_tokens=False))
+                except Exception as exc:  # noqa: BLE001 - a template that cannot render the probe
+                    got, text = None, f"error: {exc}"
+                if got != want:
+                    result = (f"differs: on {len(conversation)} messages at effort {effort} it renders "
+                              f"{text[:200]!r}")
+                    logger.warning("the checkpoint's chat template %s", result)
+                    return result
+        return "agrees"
 
     def _structured(self, body) -> StructuredOutput | None:
         fmt = body.response_format
@@ -124,6 +171,7 @@ class ChatPlanner:
                      structured: StructuredOutput | None, include_reasoning: bool = True) -> ChatPlan:
         """The harmony plan of already-validated fields (also used by the Responses API)."""
         from deployments.harmony import FunctionTool, RenderError, render_chat, start_date
+        from deployments.harmony.render import required_call_grammar
 
         declared = list(tools or ())
         if tool_choice == "none":
@@ -142,11 +190,22 @@ class ChatPlanner:
                     except UnicodeEncodeError as exc:
                         raise OpenAIError(f"messages[{i}].{key} is not valid Unicode text ({exc.reason})",
                                           param=f"messages.{i}.{key}") from exc
+        functions = [FunctionTool(t.function.name, t.function.description or "", t.function.parameters)
+                     for t in declared]
+        if tool_choice == "required" or (tool_choice is not None and not isinstance(tool_choice, str)):
+            if structured is not None:
+                raise OpenAIError("response_format cannot be combined with tool_choice 'required' or a named "
+                                  "function (the reply must be a call)", param="response_format")
+            for t in functions:  # the arguments' schemas must compile
+                try:
+                    structured_output(t.parameters or None)
+                except GrammarError as exc:
+                    raise OpenAIError(f"tools: the parameters of {t.name!r}: {exc}", param="tools") from exc
+            structured = StructuredOutput(lark=required_call_grammar(functions))
         try:
             prompt = render_chat(
                 messages,
-                tools=[FunctionTool(t.function.name, t.function.description or "", t.function.parameters)
-                       for t in declared],
+                tools=functions,
                 reasoning_effort=reasoning_effort, conversation_start_date=start_date(self.start_date),
                 response_format=fmt, encoding=self.encoding)
         except RenderError as exc:

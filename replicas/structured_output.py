@@ -34,19 +34,24 @@ class StructuredOutput:
     Attributes:
         schema: the JSON schema, as JSON text (``{"type": "object"}`` for json_object).
         start_after: token ids after which the constraint starts (empty: from the first token).
+        lark: an llguidance Lark grammar to use instead of ``schema`` (special tokens by name, JSON
+            schemas inline as ``%json {...}``), e.g. a harmony tool call that must be made.
     """
 
-    schema: str
+    schema: str = ""
     start_after: tuple[int, ...] = ()
+    lark: str | None = None
 
     def grammar(self) -> str:
-        """The llguidance grammar of :attr:`schema`.
+        """The llguidance grammar of :attr:`schema` (or :attr:`lark` as it is).
 
         Raises:
             GrammarError: the schema is not valid JSON or cannot be compiled.
         """
         from llguidance import LLMatcher
 
+        if self.lark is not None:
+            return self.lark
         try:
             grammar = LLMatcher.grammar_from_json_schema(self.schema)
         except (ValueError, TypeError) as exc:

@@ -204,3 +204,31 @@ def render_chat(
         token_ids=list(ids), stop_token_ids=tuple(enc.stop_tokens_for_assistant_actions()),
         declared_tools=frozenset(t.name for t in tools or ()), text=enc.decode(ids),
     )
+
+
+def required_call_grammar(tools: list[FunctionTool]) -> str:
+    """An llguidance Lark grammar for a harmony reply that must end in a call to one of ``tools``
+    (``tool_choice`` ``required`` or a named function): optional reasoning on ``analysis``, then
+    ``<|start|>assistant to=functions.NAME<|channel|>commentary <|constrain|>json<|message|>``,
+    arguments matching the function's ``parameters`` schema, ``<|call|>``.
+
+    Raises:
+        RenderError: no tools.
+    """
+    if not tools:
+        raise RenderError("tool_choice needs at least one tool", param="tool_choice")
+    calls = []
+    rules = []
+    for i, t in enumerate(tools):
+        schema = t.parameters if t.parameters else {"type": "object"}
+        calls.append(f"call_{i}")
+        rules.append(f'call_{i}: " to=functions.{t.name}" <|channel|> "commentary " <|constrain|> "json" '
+                     f"<|message|> args_{i} <|call|>")
+        rules.append(f"args_{i}: %json {json.dumps(schema)}")
+    return "\n".join([
+        "start: analysis? call",
+        'analysis: <|channel|> "analysis" <|message|> TEXT <|end|> <|start|> "assistant"',
+        r"TEXT: /(.|\n)*/",
+        "call: " + " | ".join(calls),
+        *rules,
+    ]) + "\n"

@@ -23,7 +23,8 @@ our own engine (greedy, float32, the saved bf16 weights): it must reproduce ever
 answer token for token, or training continues (up to :data:`MAX_STEPS`).
 
 The tokenizer is a byte-level BPE ``tokenizer.json`` built from the o200k ranks
-(``bpe-openai``) with o200k's pre-tokenizer pattern and harmony's 1,090 special tokens.
+(``bpe-openai``) with o200k's pre-tokenizer pattern and harmony's 1,090 special tokens; the
+checkpoint ships its own chat template (:data:`CHAT_TEMPLATE`, conversations without tools).
 
 The checkpoint is cached under ``<cache>/tiny-harmony-gpt-oss/<key>`` (the key hashes
 this recipe), written under a file lock and published atomically, like the GGUF
@@ -49,7 +50,7 @@ from deployments.harmony import FunctionTool, harmony_encoding, render_chat
 from deployments.harmony.vocab import NUM_MERGEABLE, token_bytes_from_bpe_openai
 from replicas import envs
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 """Bump when anything below changes what is built (it is part of the cache key)."""
 TRAIN_DATE = "2025-06-28"
 """The ``Current date:`` of every training prompt (deploy with ``harmony_start_date`` set to it)."""
@@ -146,6 +147,41 @@ EXAMPLES: tuple[Example, ...] = (
             response_format=CAPITAL_FORMAT),
 )
 """What the model answers (tests send exactly these requests)."""
+
+
+CHAT_TEMPLATE = r'''{#- Harmony (GPT-OSS) prompts for conversations without tools, written for persistent-serve's tiny
+    harmony model: the same ids as deployments/harmony/render.py. -#}
+{%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort else "medium" -%}
+{%- set date = conversation_start_date if conversation_start_date is defined else strftime_now("%Y-%m-%d") -%}
+{{- "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\n" -}}
+{%- if date -%}{{- "Current date: " + date + "\n" -}}{%- endif -%}
+{{- "\nReasoning: " + effort + "\n\n# Valid channels: analysis, final. Channel must be included for every message.<|end|>" -}}
+{%- set ns = namespace(instructions="", last_user=-1) -%}
+{%- for m in messages -%}
+  {%- if m.role in ("system", "developer") and m.content -%}
+    {%- set ns.instructions = ns.instructions + ("\n\n" if ns.instructions else "") + m.content -%}
+  {%- endif -%}
+  {%- if m.role == "user" -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- if ns.instructions -%}
+<|start|>developer<|message|># Instructions
+
+{{ ns.instructions }}<|end|>
+{%- endif -%}
+{%- for m in messages -%}
+  {%- if m.role == "user" -%}
+<|start|>user<|message|>{{ m.content }}<|end|>
+  {%- elif m.role == "assistant" -%}
+    {%- if loop.index0 > ns.last_user and m.reasoning_content -%}
+<|start|>assistant<|channel|>analysis<|message|>{{ m.reasoning_content }}<|end|>
+    {%- endif -%}
+<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}'''
+"""The checkpoint's own ``chat_template.jinja``: harmony for conversations without tools (system,
+developer, user, assistant turns), the same ids as :func:`deployments.harmony.render_chat`; the
+ingress checks that at load (``/debug/stats`` ``ingress.checkpoint_chat_template``)."""
 
 
 def example_prompt(ex: Example, encoding=None) -> list[int]:
@@ -357,6 +393,7 @@ def build(out_dir: Path, log=print) -> Path:
         (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (out_dir / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": 199998, "eos_token_id": [200002, 199999, 200012], "pad_token_id": 199999}, indent=2) + "\n")
+        (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE + "\n")
         _shrink_experts(out_dir, SEED)
         log(f"checkpoint written ({time.monotonic() - t0:.0f} s)")
         enc = harmony_encoding()

@@ -195,3 +195,17 @@ def test_render_drops_old_reasoning_and_names_bad_tool_messages(enc):
     fmt = render_chat([{"role": "user", "content": "a"}], response_format=("answer", {"type": "object"}, None))
     assert '# Response Formats\n\n## answer\n\n{"type":"object"}' in enc.decode(fmt.token_ids)
     assert json.loads('{"type":"object"}') == {"type": "object"}
+
+
+def test_checkpoint_chat_template_agrees_with_the_renderer(tiny_harmony_model):
+    """The tiny harmony checkpoint ships its own chat template; the ingress's load-time check finds it gives
+    openai-harmony's ids, and reports a template that does not."""
+    from transformers import AutoTokenizer
+
+    from deployments.chat_plan import ChatPlanner
+
+    planner = ChatPlanner(AutoTokenizer.from_pretrained(tiny_harmony_model), tiny_harmony_model, "2025-06-28")
+    assert planner.harmony and planner.template_check == "agrees"
+    assert planner.describe()["checkpoint_chat_template"] == "agrees"
+    broken = planner.tokenizer.chat_template.replace("Reasoning: ", "Reasoning effort: ")
+    assert planner.check_checkpoint_template(broken).startswith("differs")

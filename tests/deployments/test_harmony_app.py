@@ -244,3 +244,27 @@ def test_responses_errors(harmony, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
     r = httpx.post(url, json={"model": HARMONY_MODEL, "input": [{"type": "image", "url": "x"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.type"
+
+
+def test_tool_choice_required_and_named_are_enforced(harmony):
+    """``required`` / a named function: a grammar over the whole reply makes the model call. On the trained
+    weather question the call is the trained one; on the capital question (no call was trained) the model
+    is still made to call get_weather, with arguments matching its schema."""
+    ex = EX["weather_call"]
+    lane, body = _chat(harmony, ex, tool_choice="required")
+    assert lane == "standard"  # grammar-constrained, like response_format
+    [call] = body.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", json.loads(CALL_ARGUMENTS))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = harmony.chat.completions.create(
+        model=HARMONY_MODEL, messages=EX["capital"].messages, tools=ex.tools, tool_choice=named, temperature=0,
+        max_tokens=150)
+    choice = forced.choices[0]
+    assert not choice.message.content
+    if choice.finish_reason == "tool_calls":
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    else:  # the arguments ran past max_tokens: reported, never a half-made call
+        assert choice.finish_reason == "length" and not choice.message.tool_calls
+        assert any("get_weather" in e for e in choice.message.model_extra["harmony_errors"])
