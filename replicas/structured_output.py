@@ -131,19 +131,20 @@ class TokenConstraint:
 
     def allowed(self, vocab_size: int, device="cpu"):
         """Bool tensor ``[vocab_size]`` on ``device``: True where a token may come next; None when the mask is off."""
+        import numpy as np
         import torch
 
         if not self.active or self._matcher is None:
             return None
-        bits = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.uint8)
-        mask = ((bits.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten().bool()
-        if mask.numel() < vocab_size:  # model vocabularies may be padded past the tokenizer's
-            mask = torch.cat([mask, torch.zeros(vocab_size - mask.numel(), dtype=torch.bool)])
-        mask = mask[:vocab_size]
-        if not bool(mask.any()):
+        # llguidance's bitmask: bit (i % 32) of little-endian 32-bit word i // 32 is token i
+        bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        if bits.size < vocab_size:  # model vocabularies may be padded past the tokenizer's
+            bits = np.concatenate([bits, np.zeros(vocab_size - bits.size, dtype=np.uint8)])
+        bits = bits[:vocab_size]
+        if not bits.any():
             self.error, self.active = "the grammar allows no token", False
             return None
-        return mask.to(device)
+        return torch.from_numpy(bits.astype(np.bool_)).to(device)
 
     def accept(self, token: int) -> None:
         """Advance on the sampled ``token`` (and start the grammar after ``start_after``)."""
