@@ -101,6 +101,7 @@ class EngineActor:
         if lane == "standard":
             self.engine = LLMEngine(self.core, on_scheduled=self._scheduled)
             threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True).start()
+            threading.Thread(target=self.core.grammars.warm, name="grammar-warmup", daemon=True).start()
         else:
             decoder, error = None, None
             try:

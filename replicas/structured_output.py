@@ -17,6 +17,7 @@ The interface the engine uses is two methods of :class:`TokenConstraint`:
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 
 JSON_OBJECT_SCHEMA = {"type": "object"}
@@ -86,13 +87,20 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
         self._ll = None
+        self._lock = threading.Lock()
 
     def _lltokenizer(self):
-        if self._ll is None:
-            import llguidance.hf
+        with self._lock:
+            if self._ll is None:
+                import llguidance.hf
 
-            self._ll = llguidance.hf.from_tokenizer(self.tokenizer, eos_token=self.eos_token_id)
-        return self._ll
+                self._ll = llguidance.hf.from_tokenizer(self.tokenizer, eos_token=self.eos_token_id)
+            return self._ll
+
+    def warm(self) -> None:
+        """Build llguidance's tokenizer now (the standard lane's engine actor does it in a background
+        thread at start, so the first structured request does not wait for it)."""
+        self._lltokenizer()
 
     def constraint(self, spec: StructuredOutput) -> TokenConstraint:
         """A fresh matcher for one sequence.
