@@ -17,8 +17,11 @@ The interface the engine uses is two methods of :class:`TokenConstraint`:
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 JSON_OBJECT_SCHEMA = {"type": "object"}
 """``response_format: json_object``: any JSON object."""
@@ -99,16 +102,25 @@ class GrammarCompiler:
 
     def warm(self) -> None:
         """Build llguidance's tokenizer now (the standard lane's engine actor does it in a background
-        thread at start, so the first structured request does not wait for it)."""
-        self._lltokenizer()
+        thread at start, so the first structured request does not wait for it). Never raises: a
+        failure is raised again, as :class:`GrammarError`, by the first :meth:`constraint`."""
+        try:
+            self._lltokenizer()
+        except Exception:  # noqa: BLE001 - reported per request by constraint()
+            logger.warning("structured outputs unavailable: llguidance cannot read this tokenizer", exc_info=True)
 
     def constraint(self, spec: StructuredOutput) -> TokenConstraint:
         """A fresh matcher for one sequence.
 
         Raises:
-            GrammarError: the grammar cannot be compiled.
+            GrammarError: the grammar cannot be compiled, or llguidance cannot read the tokenizer.
         """
-        return TokenConstraint(self, spec)
+        try:
+            return TokenConstraint(self, spec)
+        except GrammarError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer llguidance cannot convert
+            raise GrammarError(f"structured outputs are not available for this model: {exc}") from exc
 
 
 class TokenConstraint:
