@@ -298,16 +298,22 @@ def _process_and_pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     """
     vocab = logits.shape[-1]
     x = logits
-    # 2. bans
+    # 2. a grammar's mask (structured outputs), then bans
+    grammar_only: dict[int, torch.Tensor] = {}
+    for j, r in enumerate(rows):
+        if r.allowed_token_mask is not None:
+            x[j] = x[j].masked_fill(~r.allowed_token_mask[:vocab], _NEG_INF)
+            if r.banned_token_ids:
+                grammar_only[j] = x[j].clone()
     ban = [j for j, r in enumerate(rows) if r.banned_token_ids]
     if ban:
         for j in ban:
             if sum(1 for t in rows[j].banned_token_ids if 0 <= t < vocab) >= vocab:
                 raise ValueError("every token of the vocabulary is banned; nothing can be sampled")
         x[ban] = apply_bans(x[ban], [rows[j].banned_token_ids for j in ban])
-    for j, r in enumerate(rows):  # a grammar's mask (structured outputs)
-        if r.allowed_token_mask is not None:
-            x[j] = x[j].masked_fill(~r.allowed_token_mask[:vocab], _NEG_INF)
+    for j, row in grammar_only.items():  # the bans (min_tokens) took the grammar's last tokens: the grammar wins
+        if bool(torch.isinf(x[j]).all()):
+            x[j] = row
     # 3. repetition penalty (prompt + output)
     rep = [j for j, r in enumerate(rows) if r.uses_repetition_penalty]
     if rep:

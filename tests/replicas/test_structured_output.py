@@ -79,3 +79,12 @@ def test_engine_output_validates(core, tokenizer, temperature):
         assert mine[-1].finish_reason == "stop"
         text = tokenizer.decode(tokens_of(mine), skip_special_tokens=True)
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_grammar_wins_over_min_tokens_bans():
+    """min_tokens bans EOS, but a complete grammar allows only EOS: the grammar's token is picked."""
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    mask = torch.tensor([False, False, True])
+    row = SamplingRow(SamplingParams(temperature=0.0), None, (), (), banned_token_ids=frozenset({2}),
+                      allowed_token_mask=mask)
+    assert sample_rows(logits, [row]).token_ids == [2]
