@@ -268,3 +268,12 @@ def test_tool_choice_required_and_named_are_enforced(harmony):
     else:  # the arguments ran past max_tokens: reported, never a half-made call
         assert choice.finish_reason == "length" and not choice.message.tool_calls
         assert any("get_weather" in e for e in choice.message.model_extra["harmony_errors"])
+
+
+def test_responses_on_smollm2(client):
+    """A model without harmony answers through its chat template: one message item, usage filled in."""
+    r = client.responses.create(model=MODEL, input="What is the capital of France?", instructions="Be brief.",
+                                temperature=0, max_output_tokens=6)
+    assert [o.type for o in r.output] == ["message"] and r.output_text
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 6 and r.usage.input_tokens > 0
