@@ -287,13 +287,16 @@ def _data(enc) -> tuple[list[list[int]], list[int], list[int]]:
     return seqs, starts, sorted(used)
 
 
-def _train(hf, seqs, starts, used, steps: int, log) -> torch.Tensor:
-    """Train in place; returns the LM-head rows of ``used`` (``[len(used), hidden]``)."""
+def _train(hf, seqs, starts, used, steps: int, log, head: torch.Tensor | None = None,
+           stop_loss: float = STOP_LOSS) -> tuple[torch.Tensor, int]:
+    """Train in place for up to ``steps`` steps (fewer once the loss is below ``stop_loss``);
+    returns the LM-head rows of ``used`` (``[len(used), hidden]``, continuing ``head`` if given) and
+    the steps run."""
     hidden = hf.config.hidden_size
     for name, p in hf.named_parameters():
         p.requires_grad = not (name.startswith("lm_head") or name.endswith("embed_tokens.weight")
                                or name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"))
-    head = torch.nn.Parameter(torch.randn(len(used), hidden) * 0.02)
+    head = torch.nn.Parameter(head.clone() if head is not None else torch.randn(len(used), hidden) * 0.02)
     col = {t: i for i, t in enumerate(used)}
     width = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -309,6 +312,7 @@ def _train(hf, seqs, starts, used, steps: int, log) -> torch.Tensor:
     zero = torch.zeros(1)
     keep = targets >= 0
     hf.train()
+    step = 0
     for step in range(steps):
         h = hf.model(input_ids=ids, attention_mask=mask).last_hidden_state[keep]  # [N, hidden]
         logits = torch.cat([h @ head.T, zero.expand(h.shape[0], 1)], dim=1)  # [N, |used| + 1]
@@ -318,10 +322,10 @@ def _train(hf, seqs, starts, used, steps: int, log) -> torch.Tensor:
         opt.step()
         if log and step % 50 == 0:
             log(f"step {step} loss {loss.item():.4f}")
-        if loss.item() < STOP_LOSS:
+        if loss.item() < stop_loss:
             break
     hf.eval()
-    return head.detach()
+    return head.detach(), step + 1
 
 
 def _save(hf, head: torch.Tensor, used: list[int], path: Path) -> None:
@@ -400,12 +404,12 @@ def build(out_dir: Path, log=print) -> Path:
         seqs, starts, used = _data(enc)
         hf = GptOssForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
                                                quantization_config=Mxfp4Config(dequantize=True))
-        steps, wrong = 0, ["all"]
+        steps, wrong, head = 0, ["all"], None
         while wrong and steps < MAX_STEPS:
-            chunk = 200 if steps == 0 else 100
-            head = _train(hf, seqs, starts, used, chunk, log)
+            first = steps == 0  # later rounds (the engine disagreed) run their 100 steps in full
+            head, ran = _train(hf, seqs, starts, used, 200 if first else 100, log, head, STOP_LOSS if first else 0.0)
+            steps += ran
             log(f"trained ({time.monotonic() - t0:.0f} s)")
-            steps += chunk
             _save(hf, head, used, out_dir)
             wrong = check_answers(out_dir, enc)
             log(f"after {steps} steps ({time.monotonic() - t0:.0f} s): wrong answers {wrong or 'none'}")
