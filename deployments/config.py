@@ -14,6 +14,7 @@ from deployments.pools import PoolConfig, persistent_pool_defaults, standard_poo
 from ops.telemetry.tracing import TracingConfig
 from policy import Mode
 from replicas.config import EngineConfig
+from replicas.persistent import BACKENDS
 from replicas.persistent.checkpoint import CheckpointError, check_checkpoint_dir
 from replicas.persistent.faults import FaultInjection
 
@@ -32,7 +33,7 @@ class AppConfig(BaseModel):
     persistent_decoder_checkpoint: str | None = Field(
         None, description="Directory of the persistent-decoder checkpoint (manifest + safetensors)."
     )
-    persistent_backend: Literal["auto", "eager", "cuda_graph", "mk1"] = Field(
+    persistent_backend: Literal[BACKENDS] = Field(
         "auto",
         description="Persistent backend: eager (reference, any device); cuda_graph (NVIDIA: quanta as CUDA "
         "graphs); mk1 (AMD aiter MK1 on MI355X, "

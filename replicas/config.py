@@ -7,8 +7,12 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from replicas.kernels.moe import MOE_BACKENDS
 from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.models.loader import DEFAULT_MODEL
+
+MoEBackendName = Literal[("auto", *MOE_BACKENDS)]
+"""``auto`` or a decode MoE backend of :data:`replicas.kernels.moe.MOE_BACKENDS` (the one registry)."""
 
 
 class EngineConfig(BaseModel):
@@ -42,6 +46,38 @@ class EngineConfig(BaseModel):
     )
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's own).")
     progress: bool = Field(True, description="Show progress bars while loading.")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="auto: load the checkpoint's weights; dummy: build the model from its config.json "
+        "alone with random weights (MXFP4 experts packed as in the checkpoints), for benchmarks without the "
+        "weights (vLLM's --load-format dummy). The tokenizer still comes from the model directory if it has one.",
+    )
+    # Kernel choices: resolved once at load (replicas.kernels.decode_ops.DecodeOps.build), shown in /debug/stats.
+    pdl: bool = Field(
+        True, description="Launch the decode kernels with programmatic dependent launch where the GPU supports "
+        "it (NVIDIA sm_90+): a kernel's weight loads overlap the previous kernel's tail.",
+    )
+    moe_backend: MoEBackendName = Field(
+        "auto", description="MoE decode kernels of models with experts (GPT-OSS): auto picks the first that runs "
+        "here of hopper_bulk (NVIDIA sm_90+, bf16), triton_tc (NVIDIA), triton_fp32 (NVIDIA, fp32 models), "
+        "triton_portable (any Triton GPU, e.g. ROCm), reference (CPU). A named backend that cannot run here "
+        "fails the load. docs/kernels.md lists them.",
+    )
+    moe_repack: bool = Field(
+        True, description="Repack the experts at load into the bit layout the hopper_bulk kernels decode in "
+        "fewer instructions (ignored by other backends).",
+    )
+    moe_tiles: dict[str, int] = Field(
+        default_factory=dict, description="Tile arguments for the MoE decode kernels (e.g. {\"down_pairs\": 1}); "
+        "keys must be the chosen backend's (replicas.kernels.moe.TILE_KEYS). Empty: the kernels' defaults.",
+    )
+    pipeline_quanta: bool = Field(
+        True, description="Persistent lane: launch quantum k+1 behind quantum k before reading k, on backends "
+        "that support it (cuda_graph), so the GPU never waits for the host between quanta.",
+    )
+    fused_greedy_epilogue: bool = Field(
+        True, description="cuda_graph persistent backend: each step's argmax, stop check and bookkeeping in "
+        "one Triton launch instead of the torch ops.",
+    )
 
     @model_validator(mode="after")
     def _check_blocks(self) -> EngineConfig:
@@ -65,6 +101,12 @@ class EngineConfig(BaseModel):
         if self.dtype == "auto":
             return torch.float32 if self.resolved_device().type == "cpu" else torch.bfloat16
         return getattr(torch, self.dtype)
+
+    def kernel_options(self) -> dict:
+        """The kernel settings :func:`replicas.models.registry.load_model` passes to
+        :meth:`replicas.kernels.decode_ops.DecodeOps.build`."""
+        return {"pdl": self.pdl, "moe_backend": self.moe_backend, "moe_repack": self.moe_repack,
+                "moe_tiles": dict(self.moe_tiles)}
 
     def resolved_num_kv_blocks(self) -> int:
         return self.num_kv_blocks or 4 * -(-self.max_model_len // PAGE_SIZE)

@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from replicas.graph_capture import capture_graphs
 from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.request import Request
 
@@ -97,18 +98,9 @@ class DecodeGraphs:
             with torch.inference_mode():
                 probe = self.model.decode_static(staging[:, 0], staging[:, 1], staging[:, 2:], self.kv_planes)
                 buf["logits"] = torch.empty(probe.shape, dtype=torch.float32, device=probe.device)  # sampled
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        self._body(buf)
-                torch.cuda.current_stream(self.device).wait_stream(side)
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self._body(buf)
-                torch.cuda.synchronize(self.device)
+                graph = capture_graphs({size: lambda: self._body(buf)}, self.device, pool=self._pool)[size]
         except Exception as exc:  # noqa: BLE001 - an uncapturable bucket runs eagerly from now on
             logger.warning("decode CUDA graph for batch size %d not captured (%s); that size runs eagerly",
                            size, exc)

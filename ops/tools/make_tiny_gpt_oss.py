@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, quantize_mxfp4
+from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, quantize_mxfp4
 
 TOKENIZER_MODEL = "smollm2-135m-instruct"
 TOKENIZER_FILES = (

@@ -88,7 +88,7 @@ def _weight_rows(weight: torch.Tensor, k: int, swiglu: bool, who: str) -> tuple[
 
 def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 block_n: int = 4, block_k: int | None = None, num_warps: int | None = None,
-                swiglu: bool = False) -> torch.Tensor:
+                swiglu: bool = False, pdl: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for one row: ``x`` ``[1, K]``, ``weight`` ``[N, K]`` (unit stride along
     K), ``bias`` ``[N]`` or None → ``[1, N]`` in ``x.dtype``, summed in fp32.
 
@@ -114,7 +114,7 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(), weight, bias if bias is not None else weight, y, n, weight.stride(0), x, x, x, 0.0,
         K=k, BN=block_n, BK=min(block_k, triton.next_power_of_2(k)), HAS_BIAS=bias is not None, SWIGLU=swiglu,
-        NORM=False, HAS_DELTA=False, WEIGHT_FP32=False, num_warps=num_warps, **pdl_args(x),
+        NORM=False, HAS_DELTA=False, WEIGHT_FP32=False, num_warps=num_warps, **pdl_args(x, pdl),
     )
     return y
 
@@ -126,7 +126,7 @@ NORM_MAX_K = 4096
 def triton_add_rmsnorm_gemv(residual: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
                             eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
                             weight_in_fp32: bool = False, swiglu: bool = False, block_n: int = 4,
-                            num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                            num_warps: int = 4, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add, the RMSNorm and the projection after them in one launch: ``x = residual + delta``,
     ``(x, F.linear(rmsnorm(x) * norm_weight, weight, bias))`` (with ``swiglu``, as :func:`triton_gemv`).
 
@@ -157,6 +157,6 @@ def triton_add_rmsnorm_gemv(residual: torch.Tensor, delta: torch.Tensor | None, 
         delta.contiguous() if delta is not None else residual, weight, bias if bias is not None else weight, y, n,
         weight.stride(0), residual, norm_weight, x_new, eps,
         K=k, BN=block_n, BK=triton.next_power_of_2(k), HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=True,
-        HAS_DELTA=delta is not None, WEIGHT_FP32=weight_in_fp32, num_warps=num_warps, **pdl_args(residual),
+        HAS_DELTA=delta is not None, WEIGHT_FP32=weight_in_fp32, num_warps=num_warps, **pdl_args(residual, pdl),
     )
     return x_new, y

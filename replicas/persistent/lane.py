@@ -22,7 +22,6 @@ and marks the decoder unhealthy.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -45,14 +44,9 @@ from replicas.persistent.contract import (
 )
 from replicas.persistent.eager import EagerBackend
 from replicas.request import FinishReason, Request
-from replicas.stops import check_stop
+from replicas.stops import check_stop, stop_token_set
 
 LANE = "persistent"
-
-PIPELINE = os.environ.get("PERSISTENT_SERVE_PIPELINE", "1") != "0"
-"""Launch each quantum behind the one being read when the backend can (:class:`PipelinedBackend`);
-``PERSISTENT_SERVE_PIPELINE=0`` (or False here) runs one quantum at a time."""
-
 
 class PersistentLane:
     """Runs requests through a persistent backend bound to ``core``'s KV cache.
@@ -140,7 +134,8 @@ class PersistentLane:
         fallback: str | None = None
         fallback_reported = False
         ahead: tuple[QuantumRequest, int] | None = None  # a quantum launched behind the one being collected
-        pipeline = PIPELINE and isinstance(self.backend, PipelinedBackend)  # fixed for the request
+        # launch each quantum behind the one being read when the backend can (engine config pipeline_quanta)
+        pipeline = core.config.pipeline_quanta and isinstance(self.backend, PipelinedBackend)  # fixed per request
         try:
             while chunk.finish_reason is None:
                 if cancel is not None and cancel.is_set():
@@ -222,7 +217,7 @@ class PersistentLane:
         core = self.core
         size = quantum_size(
             remaining, core.config.max_model_len, committed,
-            num_eos_ids=len(self._stop_ids(req)),
+            num_eos_ids=len(stop_token_set(req.params, core.eos_token_ids)),
             device_checks_stop_set=self.backend.checks_stop_set_on_device,
         )
         if not core.allocator.can_grow(req.block_table, committed + size):
@@ -265,25 +260,15 @@ class PersistentLane:
         return GenerationError(req.request_id, f"persistent decoder failed after launch: {exc}", LANE,
                                stage="postlaunch", reason=self.unhealthy_reason)
 
-    def _stop_ids(self, req: Request) -> frozenset[int]:
-        ids = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
-            ids |= self.core.eos_token_ids
-        return frozenset(ids)
-
     def _quantum_request(self, req: Request, pending: int, committed: int, size: int, cancel) -> QuantumRequest:
-        stop_ids = self._stop_ids(req)
-        eos = min(self.core.eos_token_ids) if self.core.eos_token_ids else -1
         return QuantumRequest(
             pending_token=pending,
             committed_kv_length=committed,
             max_sequence_length=self.core.config.max_model_len,
             max_tokens=size,
-            eos_token_id=eos,
-            ignore_eos=not stop_ids,
             full_block_map=torch.tensor(req.block_table, dtype=torch.int32),
             cancellation_flag=cancel,
-            stop_token_ids=tuple(sorted(stop_ids)),
+            stop_token_ids=tuple(sorted(stop_token_set(req.params, self.core.eos_token_ids))),
         )
 
     def _emit(self, req: Request, detok: IncrementalDetokenizer, tokens: list[int]) -> GenerationChunk:

@@ -87,9 +87,9 @@ def test_a_model_limits_its_graph_buckets():
 
     limited = type("M", (), {"max_decode_graph_batch": 16, "decode_static": None})()
     assert DecodeGraphs(limited, [], torch.device("cuda"), 64, batch_sizes=(1, 8, 16, 32)).batch_sizes == (1, 8, 16)
-    from replicas.kernels.moe import GROUPED_MAX_TOKENS
+    from replicas.kernels.moe import DECODE_MAX_TOKENS
 
-    assert GptOssForCausalLM.max_decode_graph_batch == GROUPED_MAX_TOKENS == 16
+    assert GptOssForCausalLM.max_decode_graph_batch == DECODE_MAX_TOKENS == 16
     off = type("M", (), {"max_decode_graph_batch": 0, "decode_static": None})()
     kv = type("KV", (), {"planes": lambda self: []})()
     assert decode_graphs(EngineConfig(), off, kv, torch.device("cuda")) is None

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replicas.models.mxfp4 import (
+from replicas.kernels.moe.mxfp4 import (
     BLOCK_SIZE,
     E2M1_MAGNITUDES,
     MXFP4Error,

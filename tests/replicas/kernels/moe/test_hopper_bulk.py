@@ -14,11 +14,11 @@ if not torch.cuda.is_available():  # the modules import Triton; the CPU test mod
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from replicas.kernels import cuda_moe_bulk as bulk  # noqa: E402
 from replicas.kernels.cuda_source import _LaunchAttribute, _LaunchConfig  # noqa: E402
-from replicas.kernels.mxfp4_decode_layout import repack_, unpacked  # noqa: E402
-from replicas.kernels.triton_moe_tc import mma_asm  # noqa: E402
-from replicas.models.mxfp4 import E2M1_MAGNITUDES  # noqa: E402
+from replicas.kernels.moe import hopper_bulk as bulk  # noqa: E402
+from replicas.kernels.moe.decode_layout import repack_, unpacked  # noqa: E402
+from replicas.kernels.moe.mxfp4 import E2M1_MAGNITUDES  # noqa: E402
+from replicas.kernels.moe.triton_tc import mma_asm  # noqa: E402
 
 
 def _lop3(a: int, b: int, c: int, lut: int) -> int:
@@ -74,7 +74,7 @@ def test_decode_ptx_gives_every_code_its_value_in_the_mma_k_order(chains, repack
     """Each MMA ``i`` gets, in ``a0``/``a2`` (row a) and ``a1``/``a3`` (row b), the bf16 pairs of codes
     ``(p, p + 4)`` for pairs ``p0 = 2 (i % 2)`` and ``p0 + 1`` of word ``i // 2``: every one of the 16 codes,
     in every nibble position, decoded to its E2M1 value times 2**-126; from the checkpoint's words, or from
-    the same words repacked into :mod:`~replicas.kernels.mxfp4_decode_layout`'s layout."""
+    the same words repacked into :mod:`~replicas.kernels.moe.decode_layout`'s layout."""
     g = torch.Generator().manual_seed(0)
     asm = mma_asm(chains=chains, repacked=repacked)
     for trial in range(64):
@@ -153,53 +153,12 @@ def test_repacking_moves_bits_within_words_and_unpacks_exactly():
         repack_(blocks.float())
 
 
-def test_moe_reference_reads_repacked_experts_and_other_kernels_are_refused(monkeypatch):
-    """Experts tagged as repacked: the dequantizing reference unpacks them (same result as before), and a
-    kernel setting other than ``bulk`` is refused rather than fed the wrong layout."""
-    from types import SimpleNamespace
-
-    from replicas.kernels import moe as dispatch
-
-    g = torch.Generator().manual_seed(2)
-    e, hidden, inter = 4, 64, 64
-    experts = SimpleNamespace(
-        gate_up_proj_blocks=torch.randint(0, 256, (e, 2 * inter, hidden // 32, 16), generator=g, dtype=torch.uint8),
-        gate_up_proj_scales=torch.randint(118, 124, (e, 2 * inter, hidden // 32), generator=g, dtype=torch.uint8),
-        gate_up_proj_bias=0.1 * torch.randn(e, 2 * inter, generator=g),
-        down_proj_blocks=torch.randint(0, 256, (e, hidden, inter // 32, 16), generator=g, dtype=torch.uint8),
-        down_proj_scales=torch.randint(118, 124, (e, hidden, inter // 32), generator=g, dtype=torch.uint8),
-        down_proj_bias=0.1 * torch.randn(e, hidden, generator=g), alpha=1.702, limit=7.0)
-    x = torch.randn(3, hidden, generator=g)
-    ids = torch.tensor([[0, 2], [3, 1], [2, 3]])
-    w = torch.softmax(torch.randn(3, 2, generator=g), -1)
-    before = dispatch.moe_reference(x, w, ids, experts)
-    assert not dispatch.prepare_decode_layout(experts)  # CPU tensors: nothing to repack for
-    repack_(experts.gate_up_proj_blocks)
-    repack_(experts.down_proj_blocks)
-    experts.decode_layout = True
-    assert torch.equal(dispatch.moe_reference(x, w, ids, experts), before)
-    monkeypatch.setattr(dispatch, "MOE_KERNEL", "tc")
-    with pytest.raises(ValueError, match="repacked for the bulk"):
-        dispatch.moe_takes_mxfp4(x, experts)
-    dispatch.restore_checkpoint_layout(experts)
-    assert not dispatch.repacked(experts)
-    assert torch.equal(dispatch.moe_reference(x, w, ids, experts), before)
-
-
 def test_grid_size_balances_tiles_over_the_blocks_that_fit():
     """gpt-oss-120b's gate_up on an H200: 1,440 tiles, 132 SMs, 31.8 KiB per block (6 fit per SM): 720
     blocks of two tiles each, not 792 of which some take two and some one (or 1,056 in two waves)."""
-    from replicas.kernels import cuda_moe_bulk as bulk
-
     smem = bulk.shared_bytes(90, 4, 1, 1)
     assert bulk.grid_size(1440, 132, 8, smem, 233472, 128) == 720
     assert bulk.grid_size(720, 132, 8, smem, 233472, 128) == 720
     assert bulk.grid_size(10, 132, 8, smem, 233472, 128) == 10
     assert bulk.grid_size(1440, 132, 1, smem, 233472, 1024) == 131  # 11 tiles each (132 would leave some 10)
-    saved = bulk.BALANCED_GRID
-    try:
-        bulk.BALANCED_GRID = False
-        assert bulk.grid_size(1440, 132, 8, smem, 233472, 128) == 792
-        assert bulk.grid_size(1440, 132, 8, smem, 233472, 1024) == 264  # 2,048 threads per SM: 2 blocks
-    finally:
-        bulk.BALANCED_GRID = saved
+    assert bulk.grid_size(1440, 132, 8, smem, 233472, 1024) == 240  # 2,048 threads per SM: 264 fit, 6 tiles each

@@ -1,10 +1,7 @@
-"""Triton kernels: MXFP4 MoE GEMV on the SIMT cores, exact fp32 sums (decode, a few tokens).
+"""Triton kernels: MXFP4 MoE GEMV on the SIMT cores, exact fp32 sums (decode, a few tokens; the
+``triton_fp32`` MoE backend, for fp32 models on NVIDIA GPUs).
 
-Why a third variant: at batch one the tensor-core kernel
-(:mod:`replicas.kernels.triton_moe_mma`) spends most of its time moving each
-decoded tile through shared memory into the MMA operand layout and multiplying
-a one-column activation padded to 16. Here nothing leaves the registers: each
-thread loads one 32-value block (16 bytes, one 128-bit load), decodes its 32
+Nothing leaves the registers: each thread loads one 32-value block (16 bytes, one 128-bit load), decodes its 32
 E2M1 codes with a few integer instructions, and multiplies them with the
 matching activations in fp32. The block's sum stays in that thread; the E8M0
 scale multiplies it once; the row's sum over blocks is one warp reduction.
@@ -42,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replicas.models.mxfp4 import check_packed_moe
+from replicas.kernels.moe.mxfp4 import check_packed_moe
 
 X_SHIFT = tl.constexpr(64)
 """Activations are multiplied by ``2**X_SHIFT`` before the products (see the module docstring)."""

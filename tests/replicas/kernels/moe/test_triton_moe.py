@@ -13,11 +13,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from replicas.kernels.moe import moe_reference, router_topk_reference  # noqa: E402
-from replicas.kernels.static_decode import add_rmsnorm_reference  # noqa: E402
-from replicas.kernels.triton_moe import triton_moe  # noqa: E402
-from replicas.kernels.triton_moe_gemv import triton_moe_gemv  # noqa: E402
-from replicas.kernels.triton_moe_tc import mxfp4_activations, triton_moe_tc  # noqa: E402
+from replicas.kernels.decode_ops import add_rmsnorm_reference  # noqa: E402
+from replicas.kernels.moe.reference import moe_reference  # noqa: E402
+from replicas.kernels.moe.triton_fp32 import triton_moe_gemv  # noqa: E402
+from replicas.kernels.moe.triton_portable import triton_moe  # noqa: E402
+from replicas.kernels.moe.triton_tc import mxfp4_activations, triton_moe_tc  # noqa: E402
+from replicas.kernels.reference import router_topk_reference  # noqa: E402
 from replicas.kernels.triton_rmsnorm import triton_add_rmsnorm  # noqa: E402
 from replicas.kernels.triton_router import triton_add_rmsnorm_route, triton_router_topk  # noqa: E402
 
@@ -85,26 +86,6 @@ def test_simt_fp32_moe_matches_dequantized_reference(tokens, k, blocks_per_step)
     ref = moe_reference(x, weights, ids, experts)
     assert ref.abs().max() > 1
     assert _rel_err(parts.sum(1), ref) < 1e-5
-
-
-@pytest.mark.parametrize("tokens,block_k", [(1, 64), (2, 32)])
-def test_dot_scaled_moe_matches_dequantized_reference(tokens, block_k):
-    """``tl.dot_scaled`` kernels (activations rounded to bf16 on the way in: bf16 tolerance)."""
-    from replicas.kernels.triton_moe_scaled import triton_moe_scaled
-
-    hidden, inter, e = 96, 64, 8
-    experts = RandomExperts(e, hidden, inter, seed=20 + tokens)
-    g = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
-    ids = torch.stack([torch.randperm(e, generator=g)[:4] for _ in range(tokens)]).to(DEVICE)
-    weights = torch.softmax(torch.randn(tokens, 4, generator=g), -1).to(DEVICE)
-    parts = triton_moe_scaled(x, weights, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales,
-                              experts.gate_up_proj_bias, experts.down_proj_blocks, experts.down_proj_scales,
-                              experts.down_proj_bias, experts.alpha, experts.limit, block_n=32, block_k=block_k)
-    assert parts.shape == (tokens, 4, hidden)
-    ref = moe_reference(x, weights, ids, experts)
-    assert ref.abs().max() > 1.0
-    assert _rel_err(parts.sum(1), ref) < 2e-2
 
 
 def test_router_topk_matches_topk_softmax():
@@ -190,8 +171,8 @@ def test_add_rmsnorm_sums_fp32_partials_in_order():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_dequantize_matches_torch_exactly(dtype):
     """Every code, scales from 2**-20 to 2**20, a block count that is not a multiple of the tile."""
-    from replicas.kernels.triton_mxfp4 import triton_dequantize_mxfp4
-    from replicas.models.mxfp4 import dequantize_mxfp4
+    from replicas.kernels.moe.mxfp4 import dequantize_mxfp4
+    from replicas.kernels.moe.prefill_dequantize import triton_dequantize_mxfp4
 
     g = torch.Generator().manual_seed(11)
     blocks = torch.randint(0, 256, (3, 37, 5, 16), generator=g, dtype=torch.uint8).to(DEVICE)
@@ -200,7 +181,7 @@ def test_triton_dequantize_matches_torch_exactly(dtype):
     assert ours.shape == (3, 37, 160) and ours.dtype == dtype
     assert torch.equal(ours, dequantize_mxfp4(blocks, scales, dtype))
     # the same blocks in the decode kernels' bit layout dequantize to the same values
-    from replicas.kernels.mxfp4_decode_layout import repack_
+    from replicas.kernels.moe.decode_layout import repack_
 
     assert torch.equal(triton_dequantize_mxfp4(repack_(blocks.clone()), scales, dtype, repacked=True), ours)
 

@@ -1,6 +1,6 @@
 """The ``mk1`` adapter (replicas/persistent/mk1.py) against a test double of the ``aiter.MK1`` boundary.
 
-``tests/replicas/mk1_double`` is a test double of the aiter.MK1 module
+``tests/replicas/persistent/mk1_double`` is a test double of the aiter.MK1 module
 boundary; it is not AMD's code and proves nothing about the real kernel. It is
 injected at the adapter's one import seam (``mk1._import_mk1``). Everything on
 our side is real: the envelope checks, the cache binding over a real bf16
@@ -23,13 +23,14 @@ import pytest
 import torch
 
 import replicas.persistent.mk1 as mk1
+from ops.tools.make_tiny_gpt_oss import real_config
 from policy import quantum_size
 from replicas.config import EngineConfig
 from replicas.engine import EngineCore
-from replicas.kv_cache import KVCache, PageAllocator
+from replicas.kv_cache import KVCache
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError
-from replicas.model_runner import ModelRunner
 from replicas.models.config import ModelConfig
+from replicas.models.gpt_oss_config import GptOssConfig
 from replicas.models.llama import LlamaForCausalLM
 from replicas.persistent.checkpoint import MXFP4_PACKED_BYTES, CheckpointError, catalog
 from replicas.persistent.contract import (
@@ -45,7 +46,10 @@ from replicas.persistent.eager import EagerBackend
 from replicas.persistent.factory import BACKENDS, create_backend
 from replicas.persistent.lane import PersistentLane
 from replicas.request import SamplingParams
-from tests.replicas.mk1_double import MK1Double, MK1Error, marker
+from tests.replicas.persistent.mk1_double import MK1Double, MK1Error, marker
+
+GPT_OSS_120B = GptOssConfig.from_dict(real_config("120b"))
+"""The config MK1 serves (its RoPE tables and EOS id come from it)."""
 
 LAYERS, KVH, HEAD_DIM = 36, 8, 64
 ROW_BYTES = KVH * HEAD_DIM * 2  # one token's K (or V) in one layer, bf16
@@ -114,7 +118,7 @@ def checkpoint(tmp_path):
 
 
 def bound_backend(double, checkpoint, kv, **env) -> mk1.MK1Backend:
-    backend = mk1.MK1Backend(envelope(**env), checkpoint)
+    backend = mk1.MK1Backend(envelope(**env), checkpoint, GPT_OSS_120B)
     backend.bind_cache(CacheBinding.from_kv_tensor(kv))
     return backend
 
@@ -122,7 +126,7 @@ def bound_backend(double, checkpoint, kv, **env) -> mk1.MK1Backend:
 def qreq(committed=20, max_tokens=8, pages=(3, 1), **kw) -> QuantumRequest:
     fields = dict(
         pending_token=7, committed_kv_length=committed, max_sequence_length=4096, max_tokens=max_tokens,
-        eos_token_id=31, ignore_eos=True, full_block_map=torch.tensor(pages, dtype=torch.int32),
+        full_block_map=torch.tensor(pages, dtype=torch.int32),
     )
     fields.update(kw)
     return QuantumRequest(**fields)
@@ -157,7 +161,7 @@ def test_missing_aiter_is_a_native_binary_error_saying_build_from_source(monkeyp
     assert "never `pip install aiter`" in str(exc.value)
     assert exc.value.reason == "native_binary_unavailable"
     with pytest.raises(NativeBinaryError, match="built from source"):
-        mk1.MK1Backend(envelope(), checkpoint)  # inside the envelope: the import is what fails
+        mk1.MK1Backend(envelope(), checkpoint, GPT_OSS_120B)  # inside the envelope: the import is what fails
 
 
 def test_an_aiter_without_the_mk1_surface_is_a_native_binary_error(monkeypatch):
@@ -203,7 +207,7 @@ def test_each_envelope_rule_gives_its_precise_reason(double, checkpoint, overrid
     reasons = mk1.envelope_reasons(env)
     assert len(reasons) == 1 and reason in reasons[0], reasons
     with pytest.raises(mk1.Mk1EnvelopeError) as exc:
-        mk1.MK1Backend(env, checkpoint)
+        mk1.MK1Backend(env, checkpoint, GPT_OSS_120B)
     assert exc.value.reasons == tuple(reasons) and reason in str(exc.value)
     assert isinstance(exc.value, UnsupportedConfigurationError) and exc.value.reason == "unsupported_envelope"
     assert double.calls == []  # judged before aiter is touched
@@ -236,7 +240,7 @@ def test_probe_reads_gcn_arch_name_on_rocm_only(monkeypatch):
 
 
 def test_construction_passes_the_mk1_config_and_loads_the_checkpoint(double, checkpoint):
-    backend = mk1.MK1Backend(envelope(max_sequence_length=2048), checkpoint)
+    backend = mk1.MK1Backend(envelope(max_sequence_length=2048), checkpoint, GPT_OSS_120B)
     cfg = backend.config
     assert (cfg.device, cfg.max_sequence_length, cfg.cache_scalar, cfg.batch_size) == (torch.device("cpu"), 2048, "bfloat16", 1)
     assert (cfg.backend, cfg.model_family, cfg.model_revision) == ("gpt_oss_gfx950_atom_v1", "gpt-oss-120b", "b5c939de")
@@ -249,7 +253,7 @@ def test_construction_passes_the_mk1_config_and_loads_the_checkpoint(double, che
 def test_is_supported_refusal_is_unsupported_configuration(double, checkpoint):
     double.is_supported = lambda cfg: (False, ["native says no"])
     with pytest.raises(UnsupportedConfigurationError, match="is_supported refused the config: native says no"):
-        mk1.MK1Backend(envelope(), checkpoint)
+        mk1.MK1Backend(envelope(), checkpoint, GPT_OSS_120B)
 
 
 @pytest.mark.parametrize(
@@ -259,13 +263,13 @@ def test_is_supported_refusal_is_unsupported_configuration(double, checkpoint):
 def test_construction_errors_map_to_ours(double, checkpoint, fault, ours):
     double.construction_fault = fault
     with pytest.raises(ours, match="aiter.MK1 PersistentDecoder.from_checkpoint") as exc:
-        mk1.MK1Backend(envelope(), checkpoint)
+        mk1.MK1Backend(envelope(), checkpoint, GPT_OSS_120B)
     assert isinstance(exc.value.__cause__, MK1Error)  # chained to the (double's) aiter error
 
 
 def test_unknown_mk1_mode_is_refused(double, checkpoint):
     with pytest.raises(UnsupportedConfigurationError, match="mode 'fast'"):
-        mk1.MK1Backend(envelope(), checkpoint, mode="fast")
+        mk1.MK1Backend(envelope(), checkpoint, GPT_OSS_120B, mode="fast")
 
 
 # --- cache binding ------------------------------------------------------------------------------
@@ -300,7 +304,7 @@ def test_binding_is_flat_uint8_views_of_our_kv_tensor_with_16384_bytes_per_page(
     ids=["fp32", "two_layers"],
 )
 def test_binding_refuses_a_cache_mk1_cannot_use(double, checkpoint, kv, match):
-    backend = mk1.MK1Backend(envelope(), checkpoint)
+    backend = mk1.MK1Backend(envelope(), checkpoint, GPT_OSS_120B)
     with pytest.raises(UnsupportedConfigurationError, match=match):
         backend.bind_cache(CacheBinding.from_kv_tensor(kv()))
     assert double.calls_named("bind_cache") == []
@@ -342,7 +346,8 @@ def test_quantum_request_block_map_and_yarn_rope_tables(double, checkpoint):
     assert bm.dtype == torch.int32 and bm.dim() == 1 and bm.is_contiguous() and bm.tolist() == [3, 1]
     assert bm.numel() * 16 >= native.committed_kv_length + native.max_tokens == 28
     assert (native.pending_token, native.committed_kv_length, native.max_tokens) == (7, 20, 8)
-    assert (native.max_sequence_length, native.eos_token_id, native.ignore_eos) == (4096, 31, True)
+    # no stop id: MK1 gets the model's EOS id with its ignore_eos flag
+    assert (native.max_sequence_length, native.eos_token_id, native.ignore_eos) == (4096, 200002, True)
     assert native.sliding_block_map is None and native.cancellation_flag is None
     cos, sin = native.rope_cosine, native.rope_sine
     assert cos.shape == sin.shape == (4096, 64) and cos.dtype == sin.dtype == torch.bfloat16
@@ -372,10 +377,14 @@ the documented source (``_compute_yarn_parameters``), frozen so this file need n
 
 
 def test_inv_freq_and_attention_factor_equal_transformers_yarn_for_gpt_oss():
-    ours = mk1.GPT_OSS_YARN.inv_freq()
+    """MK1's tables come from the model's own RoPE (``rope_inv_freq`` over its config), which for gpt-oss-120b
+    is transformers' YaRN bit for bit."""
+    from replicas.models.gpt_oss import rope_inv_freq
+
+    ours, mscale = rope_inv_freq(GPT_OSS_120B.head_dim, GPT_OSS_120B.rope_theta, GPT_OSS_120B.rope_scaling)
     assert ours.dtype == torch.float32 and ours.shape == (32,)
     assert ours.tolist() == [float.fromhex(h) for h in TRANSFORMERS_GPT_OSS_INV_FREQ]  # bit for bit
-    assert mk1.GPT_OSS_YARN.attention_factor == float.fromhex("0x1.58b90bfbe8e7cp+0")  # 0.1 ln 32 + 1
+    assert mscale == float.fromhex("0x1.58b90bfbe8e7cp+0")  # 0.1 ln 32 + 1
 
 
 def test_rope_tables_equal_transformers_gpt_oss_rotary_embedding():
@@ -385,16 +394,15 @@ def test_rope_tables_equal_transformers_gpt_oss_rotary_embedding():
 
     rotary = GptOssRotaryEmbedding(transformers.GptOssConfig())
     hf_cos, hf_sin = rotary(torch.zeros(1, dtype=torch.bfloat16), torch.arange(8192)[None])
-    cos, sin = mk1.yarn_rope_tables(8192)
+    cos, sin = mk1.mk1_rope_tables(8192, GPT_OSS_120B)
     assert torch.equal(cos[:, :32], hf_cos[0]) and torch.equal(sin[:, :32], hf_sin[0])
-    assert torch.equal(mk1.GPT_OSS_YARN.inv_freq(), rotary.inv_freq)
 
 
 def test_a_single_stop_id_becomes_mk1_eos_and_ends_the_quantum(double, checkpoint):
     kv = gpt_oss_kv()
     backend = bound_backend(double, checkpoint, kv)
     stop = SCRIPT[2]
-    result = backend.run_quantum(qreq(committed=0, pages=(2,), ignore_eos=False, stop_token_ids=(stop,)))
+    result = backend.run_quantum(qreq(committed=0, pages=(2,), stop_token_ids=(stop,)))
     native = double.calls_named("run_quantum")[0].args["request"]
     assert (native.eos_token_id, native.ignore_eos) == (stop, False)
     assert result.emitted_tokens == SCRIPT[:3] and result.finish_reason == "eos" and result.committed_kv_length == 3
@@ -408,9 +416,9 @@ def test_several_stop_ids_mean_quanta_of_one(double, checkpoint):
     assert quantum_size(100, 4096, 10, num_eos_ids=1, device_checks_stop_set=dev) == 8
     backend = bound_backend(double, checkpoint, gpt_oss_kv())
     with pytest.raises(PrelaunchError, match="checks one eos id; 2 stop ids need quanta of 1"):
-        backend.run_quantum(qreq(max_tokens=4, ignore_eos=False, stop_token_ids=(30, 31)))
+        backend.run_quantum(qreq(max_tokens=4, stop_token_ids=(30, 31)))
     assert double.calls_named("run_quantum") == []  # refused before the launch
-    result = backend.run_quantum(qreq(max_tokens=1, ignore_eos=False, stop_token_ids=(30, 31)))
+    result = backend.run_quantum(qreq(max_tokens=1, stop_token_ids=(30, 31)))
     assert result.emitted_tokens == SCRIPT[:1]
 
 
@@ -490,7 +498,7 @@ def test_our_prelaunch_checks_refuse_before_any_launch(double, checkpoint, make,
 
 def test_an_unbound_backend_refuses_before_launch(double, checkpoint):
     with pytest.raises(PrelaunchError, match="no KV cache bound"):
-        mk1.MK1Backend(envelope(), checkpoint).run_quantum(qreq())
+        mk1.MK1Backend(envelope(), checkpoint, GPT_OSS_120B).run_quantum(qreq())
 
 
 def _set_event() -> threading.Event:
@@ -519,14 +527,10 @@ def tiny_core(eos: tuple[int, ...] = (31,), num_blocks: int = 6, prefix_caching:
     cfg = tiny_model_config(eos)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     torch.nn.init.zeros_(model.lm_head.weight)
-    kv = KVCache(cfg, num_blocks, torch.bfloat16, "cpu")
     config = EngineConfig(model="tiny-gpt-oss-shaped-llama", device="cpu", dtype="bfloat16", max_model_len=64,
                           num_kv_blocks=num_blocks, progress=False)
-    return EngineCore(
-        config=config, model=model, tokenizer=_IdTokenizer(), kv_cache=kv,
-        allocator=PageAllocator(num_blocks, enable_prefix_caching=prefix_caching),
-        runner=ModelRunner(model, kv.planes(), "cpu"), eos_token_ids=frozenset(eos),
-    )
+    return EngineCore.build(config, model, _IdTokenizer(), enable_prefix_caching=prefix_caching,
+                            eos_token_ids=frozenset(eos))
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """A bit layout of packed MXFP4 words that the tensor-core decode kernels turn into bf16 pairs cheaply.
 
-The tensor-core MoE kernels (:func:`~replicas.kernels.triton_moe_tc.mma_asm`)
+The tensor-core MoE kernels (:func:`~replicas.kernels.moe.triton_tc.mma_asm`)
 decode a 32-bit word of 8 E2M1 codes (code ``j`` in bits ``4j..4j+3``, low
 nibble first, as stored in the checkpoint) as four *code pairs* ``(p, p + 4)``,
 each into one bf16x2 register: magnitude bits ``e1 e0 m`` of the low code on
@@ -23,9 +23,9 @@ the decoding: ``docs/benchmarks.md``, GPT-OSS item 13). Only the bits inside a
 word move, so rows, blocks, scales and the activations' order are unchanged.
 The layout was found by exhaustive search over the 8! placements of pair 3.
 
-Used when :data:`replicas.kernels.moe.REPACK` is on (the default; ``PERSISTENT_SERVE_MOE_REPACK=0`` turns it off):
-:func:`replicas.kernels.moe.prepare_decode_layout` repacks a loaded model's experts once. gpt-oss-120b on
-an H200: 2.19 against 2.30 ms/token, and 2.24 against 2.32 in a later call (``docs/benchmarks.md``, GPT-OSS item 14).
+Used by the ``hopper_bulk`` MoE backend when the engine config's ``moe_repack`` holds (the default):
+:meth:`replicas.kernels.moe.MoE.prepare` repacks a loaded model's experts once, in place
+(``docs/benchmarks.md``, GPT-OSS item 14, has what it buys).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def greedy17(core, haiku_ids) -> list[int]:
 def _qreq(committed=20, max_tokens=4, pages=2, dtype=torch.int32, max_seq=100, **kw) -> QuantumRequest:
     return QuantumRequest(
         pending_token=5, committed_kv_length=committed, max_sequence_length=max_seq, max_tokens=max_tokens,
-        eos_token_id=2, ignore_eos=False, full_block_map=torch.arange(pages, dtype=dtype), **kw,
+        full_block_map=torch.arange(pages, dtype=dtype), **{"stop_token_ids": (2,), **kw},
     )
 
 
@@ -229,8 +229,8 @@ def _quantum(core, req, pending, size, **kw) -> QuantumRequest:
     core.allocator.grow(req.block_table, req.num_computed_tokens + size)
     return QuantumRequest(
         pending_token=pending, committed_kv_length=req.num_computed_tokens,
-        max_sequence_length=core.config.max_model_len, max_tokens=size, eos_token_id=2,
-        ignore_eos=kw.pop("ignore_eos", True), full_block_map=torch.tensor(req.block_table, dtype=torch.int32), **kw,
+        max_sequence_length=core.config.max_model_len, max_tokens=size,
+        full_block_map=torch.tensor(req.block_table, dtype=torch.int32), **kw,
     )
 
 
@@ -260,12 +260,12 @@ def test_eager_backend_stops_on_any_stop_id_inside_a_quantum(core, haiku_ids, gr
     backend.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
     req, first = _prefill(core, haiku_ids)
     try:
-        q = _quantum(core, req, first, 8, ignore_eos=False, stop_token_ids=(99999, greedy17[k]))
+        q = _quantum(core, req, first, 8, stop_token_ids=(99999, greedy17[k]))
         res = backend.run_quantum(q)
         validate_result(q, res)
         assert res.finish_reason == "eos" and res.emitted_tokens == greedy17[1 : k + 1]
-        # the same quantum with ignore_eos runs its full size
-        q = _quantum(core, req, first, 8, ignore_eos=True, stop_token_ids=(greedy17[k],))
+        # the same quantum with no stop id runs its full size
+        q = _quantum(core, req, first, 8)
         assert backend.run_quantum(q).emitted_tokens == greedy17[1:9]
     finally:
         core.allocator.release(req.block_table)

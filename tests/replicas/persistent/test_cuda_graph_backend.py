@@ -58,7 +58,7 @@ def test_too_long_block_map_is_refused_before_launch(core):
     backend = CudaGraphBackend(core.model, "cpu", max_model_len=64)
     backend.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
     req = QuantumRequest(pending_token=1, committed_kv_length=70, max_sequence_length=2048, max_tokens=2,
-                         eos_token_id=2, ignore_eos=True, full_block_map=torch.arange(5, dtype=torch.int32))
+                         full_block_map=torch.arange(5, dtype=torch.int32))
     with pytest.raises(PrelaunchError, match="exceeds"):
         backend.run_quantum(req)
 
@@ -69,9 +69,8 @@ def _quantum(core, pending: int, committed: int, size: int, pages: list[int], st
     from replicas.persistent.contract import QuantumRequest
 
     return QuantumRequest(pending_token=pending, committed_kv_length=committed,
-                          max_sequence_length=core.config.max_model_len, max_tokens=size, eos_token_id=-1,
-                          ignore_eos=not stop, full_block_map=torch.tensor(pages, dtype=torch.int32),
-                          stop_token_ids=tuple(stop))
+                          max_sequence_length=core.config.max_model_len, max_tokens=size,
+                          full_block_map=torch.tensor(pages, dtype=torch.int32), stop_token_ids=tuple(stop))
 
 
 def _prefilled(core, tokenizer, new_pages: int):

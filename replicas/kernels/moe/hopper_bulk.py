@@ -1,6 +1,6 @@
 """MXFP4 MoE GEMV for decode whose expert weights arrive in shared memory by bulk copy (CUDA C++, Hopper).
 
-Why a fifth variant: :mod:`replicas.kernels.triton_moe_tc` does the math well
+Why a fifth variant: :mod:`replicas.kernels.moe.triton_tc` does the math well
 (E2M1 decoded to bf16 pairs, ``mma.sync`` on the tensor cores) but loads its
 weights into registers, and ptxas places each step's loads next to that step's
 MMAs, so a warp keeps one 1 KB step in flight: Nsight Compute measured its
@@ -10,8 +10,8 @@ one thread issues ``cp.async.bulk`` copies (the Hopper bulk-copy engine, no
 registers held) of the block's rows, which are contiguous in the packed layout
 ``[E, rows, G, 16]``, and of their scales and the activation row, into shared
 memory, completing on ``mbarrier`` transaction counts; then every lane runs
-:mod:`~replicas.kernels.triton_moe_tc`'s MMA step (the same PTX,
-:func:`~replicas.kernels.triton_moe_tc.mma_asm`) on shared-memory operands.
+:mod:`~replicas.kernels.moe.triton_tc`'s MMA step (the same PTX,
+:func:`~replicas.kernels.moe.triton_tc.mma_asm`) on shared-memory operands.
 Blocks are persistent: each takes every so-many tile of 16 rows (23 KB at
 gpt-oss-120b's width) and keeps ``stages`` tiles' copies in flight, so with
 several blocks per SM ~200 KB are requested per SM instead of ~32 KB.
@@ -23,7 +23,7 @@ take ~17 us, issue- and integer-pipe-bound. The pair takes 23 us per layer
 against the Triton kernels' 25.6 us; gpt-oss-120b 2.28 against 2.34-2.45
 ms/token in the same calls.
 
-Same inputs, outputs and numerics as :func:`~replicas.kernels.triton_moe_tc.triton_moe_tc`
+Same inputs, outputs and numerics as :func:`~replicas.kernels.moe.triton_tc.triton_moe_tc`
 (activations in its MMA format, times 2**64; fp32 sums; ``h`` rounded to bf16).
 The down launch issues its weight copies before waiting on the gate_up launch
 (programmatic dependent launch: expert ids come from two launches back), so its
@@ -44,16 +44,12 @@ import warnings
 import torch
 
 from replicas.kernels.cuda_source import CUDA_PRELUDE, CudaKernel
+from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, check_packed_moe
+from replicas.kernels.moe.triton_tc import X_SHIFT, mma_asm, mxfp4_activations
 from replicas.kernels.pdl import pdl_args
-from replicas.kernels.triton_moe_tc import X_SHIFT, mma_asm, mxfp4_activations
-from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, check_packed_moe
 
 MAX_PAIRS = 128
 """Most (token, expert) pairs per call (the kernel keeps their ids and routing weights in shared memory)."""
-
-
-TILE_OVERRIDES: dict[str, int] = {}
-"""Tiles that win over :func:`cuda_moe_bulk`'s arguments (``ops.bench.engine --variants "bulk=stages:1"``)."""
 
 
 def _c_string(text: str) -> str:
@@ -264,7 +260,7 @@ def kernel_source(g: int, warps: int, pairs: int, stages: int, gate_up: bool, ro
                   repacked: bool = False) -> str:
     """The CUDA C++ of one launch: ``g`` blocks of 32 values per row, ``warps`` per block, ``16 * pairs``
     rows per tile, ``stages`` tiles in flight per block, the gate_up or the down launch, fp32 (else bf16)
-    routing weights, packed words in the checkpoint's or :mod:`~replicas.kernels.mxfp4_decode_layout`'s
+    routing weights, packed words in the checkpoint's or :mod:`~replicas.kernels.moe.decode_layout`'s
     bit layout (``repacked``)."""
     defines = {"G": g, "W": warps, "P": pairs, "S": stages, "GATE_UP": int(gate_up), "ROUTE_F32": int(route_f32),
                "MAX_PAIRS": MAX_PAIRS, "KERNEL_NAME": _name(gate_up),
@@ -313,21 +309,16 @@ def _device_limits(device: torch.device) -> tuple[int, int, int]:
 RESERVED_SMEM = 1024
 """Shared memory the driver reserves per resident block (sm_80 and newer, CUDA's occupancy calculator)."""
 
-BALANCED_GRID = True
-"""Launch ``cdiv(tiles, cdiv(tiles, resident blocks))`` blocks, every one with the same tile count, instead of
-as many as may be resident (which left a second, partial wave: gpt-oss-120b's gate_up has 1,440 tiles and an
-H200 holds 792 of its blocks)."""
-
-
 def grid_size(tiles: int, sms: int, blocks_per_sm: int, block_smem: int, smem_per_sm: int, threads: int) -> int:
     """Blocks of one launch: at most ``blocks_per_sm`` per SM, and no more than fit at once (shared memory
-    with :data:`RESERVED_SMEM` per block, 2,048 threads per SM); with :data:`BALANCED_GRID`, the fewest
-    that keep each block's tile count the same, so no block takes one more tile than the others."""
+    with :data:`RESERVED_SMEM` per block, 2,048 threads per SM), balanced: the fewest that keep every
+    block's tile count the same, ``cdiv(tiles, cdiv(tiles, resident blocks))``, so no block takes one more
+    tile than the others and no partial second wave runs."""
     if tiles <= 0:
         return 0
     resident = max(1, min(blocks_per_sm, smem_per_sm // (block_smem + RESERVED_SMEM), 2048 // threads))
     blocks = min(tiles, resident * sms)
-    return -(-tiles // -(-tiles // blocks)) if BALANCED_GRID else blocks
+    return -(-tiles // -(-tiles // blocks))
 
 
 def cuda_moe_bulk(
@@ -336,10 +327,10 @@ def cuda_moe_bulk(
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, x_mxfp4: torch.Tensor | None = None, num_warps: int = 4,
     down_num_warps: int = 4, pairs: int = 1, down_pairs: int | None = None, stages: int = 1, blocks_per_sm: int = 8,
-    repacked: bool = False,
+    repacked: bool = False, pdl: bool = True,
 ) -> torch.Tensor:
     """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches), as
-    :func:`~replicas.kernels.triton_moe_tc.triton_moe_tc`.
+    :func:`~replicas.kernels.moe.triton_tc.triton_moe_tc`.
 
     Each launch runs up to ``blocks_per_sm`` persistent blocks per SM (:func:`grid_size`); a block takes every
     so-many tile of ``16 * pairs`` rows of one (token, expert) pair and keeps ``stages`` tiles' bulk copies in
@@ -353,13 +344,13 @@ def cuda_moe_bulk(
         down_blocks: uint8 ``[E, hidden, I/32, 16]``, down_scales: uint8 ``[E, hidden, I/32]``,
             down_bias bf16 ``[E, hidden]``.
         alpha, limit: the clamped SwiGLU's constants (GPT-OSS: 1.702, 7.0).
-        x_mxfp4: ``x`` already in the MMA format (:func:`~replicas.kernels.triton_moe_tc.mxfp4_activations`);
+        x_mxfp4: ``x`` already in the MMA format (:func:`~replicas.kernels.moe.triton_tc.mxfp4_activations`);
             computed here when None.
         num_warps, pairs: the gate_up launch's warps per block and row pairs per lane (16 rows per pair);
             down_num_warps, down_pairs: the down launch's (``down_pairs`` None: 2 when 32 divides ``hidden``,
             else 1). stages: tiles in flight per block.
-        repacked: the packed blocks are in :mod:`~replicas.kernels.mxfp4_decode_layout`'s bit layout
-            (:func:`~replicas.kernels.mxfp4_decode_layout.repack_`), which decodes in fewer instructions.
+        repacked: the packed blocks are in :mod:`~replicas.kernels.moe.decode_layout`'s bit layout
+            (:func:`~replicas.kernels.moe.decode_layout.repack_`), which decodes in fewer instructions.
             Defaults: the fastest of ``python -m ops.bench.kernels --kernels bulk`` on an H200 at
             gpt-oss-120b's shape.
 
@@ -371,11 +362,8 @@ def cuda_moe_bulk(
             or biases not contiguous, biases not bf16, ``16 * pairs`` not dividing the row counts, the
             stages not fitting in shared memory, or more than :data:`MAX_PAIRS` (token, expert) pairs.
     """
-    tiles = {"num_warps": num_warps, "down_num_warps": down_num_warps, "pairs": pairs, "down_pairs": down_pairs,
-             "stages": stages, "blocks_per_sm": blocks_per_sm} | TILE_OVERRIDES
-    num_warps, down_num_warps, pairs, down_pairs, stages, blocks_per_sm = tiles.values()
     t, hidden, k, inter = check_packed_moe(x, ids, gate_up_blocks, down_blocks)
-    if down_pairs is None:  # 32-row down tiles: gpt-oss-120b 1.985-1.997 against 2.001-2.002 ms/token
+    if down_pairs is None:  # 32-row down tiles where they divide hidden (docs/benchmarks.md, item 16)
         down_pairs = 2 if hidden % 32 == 0 else 1
     for name, tensor in (("gate_up_scales", gate_up_scales), ("down_scales", down_scales),
                          ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
@@ -399,7 +387,7 @@ def cuda_moe_bulk(
     if weights.dtype not in (torch.bfloat16, torch.float32):
         weights = weights.float()
     ids, weights = ids.contiguous(), weights.contiguous()
-    pdl = "launch_pdl" in pdl_args(x)
+    launch_pdl = "launch_pdl" in pdl_args(x, pdl)
     pairs_n = t * k
     i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
     h = torch.empty(pairs_n, inter, dtype=torch.bfloat16, device=x.device)
@@ -411,7 +399,7 @@ def cuda_moe_bulk(
          i64(gate_up_blocks.stride(0)), i64(gate_up_scales.stride(0)), i64(gate_up_bias.stride(0)),
          i64(x_mxfp4.stride(0) * 2), i64(h.stride(0)), i32(2 * inter), i32(inter), i32(k), i32(pairs_n), f32(alpha),
          f32(limit)],
-        pdl=pdl)
+        pdl=launch_pdl)
     out = torch.empty(t, k, hidden, dtype=torch.float32, device=x.device)
     tiles = pairs_n * hidden // (16 * down_pairs)
     _kernel(inter // BLOCK_SIZE, down_num_warps, down_pairs, stages, False, weights.dtype == torch.float32,
@@ -421,5 +409,5 @@ def cuda_moe_bulk(
         [h, ids, weights, down_blocks, down_scales, down_bias, out,
          i64(down_blocks.stride(0)), i64(down_scales.stride(0)), i64(down_bias.stride(0)),
          i64(h.stride(0) * 2), i64(hidden), i32(hidden), i32(hidden), i32(k), i32(pairs_n), f32(alpha), f32(limit)],
-        pdl=pdl)
+        pdl=launch_pdl)
     return out

@@ -16,7 +16,7 @@ The expert ids and routing weights are read from device memory (no host sync:
 capturable in a CUDA graph). Weights are read once per pair; for a large ``T``
 (prefill) the dequantize-then-GEMM reference is the better path.
 
-MXFP4 decoding (OCP MX v1.0 §5; byte layout as :mod:`replicas.models.mxfp4`):
+MXFP4 decoding (OCP MX v1.0 §5; byte layout as :mod:`replicas.kernels.moe.mxfp4`):
 byte ``j`` of a 16-byte block holds elements ``2j`` (low nibble) and ``2j+1``
 (high nibble); E2M1 code ``c`` is sign ``c & 8``, exponent ``(c >> 1) & 3``
 (bias 1), mantissa ``c & 1``, read through fp16 (:func:`_e2m1_via_f16`); the block's
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
+from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
 
 
 @triton.jit

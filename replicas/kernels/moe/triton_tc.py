@@ -1,6 +1,6 @@
 """Triton kernels: MXFP4 MoE GEMV on the tensor cores through inline-PTX ``mma.sync`` (decode, few tokens).
 
-Why a fourth variant: the SIMT kernel (:mod:`replicas.kernels.triton_moe_gemv`)
+Why a fourth variant: the SIMT kernel (:mod:`replicas.kernels.moe.triton_fp32`)
 spends about 4.5 instructions per weight (3.25 to decode an E2M1 code into an
 fp32 bit pattern, one fp32 FMA, the activations' conversion), and at batch one
 on an H200 that instruction stream, not DRAM, is the limit (~1.46 TB/s). Here
@@ -55,14 +55,12 @@ the same blocks' partial sums with plain Triton operations (for the CPU tests).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, check_packed_moe
 from replicas.kernels.pdl import pdl_args, pdl_wait
-from replicas.models.mxfp4 import BLOCK_SIZE, check_packed_moe
 
 X_SHIFT = tl.constexpr(64)
 """The activations are stored times ``2**X_SHIFT`` (exact in bf16: a power of two)."""
@@ -83,7 +81,7 @@ def mma_asm(ref: str = "$", chains: int = 1, repacked: bool = False) -> str:
     those bits. The multiplications (and the shift, a ``mul.hi``) run on the FMA pipe, leaving two ``lop3``
     per pair on the integer ALU pipe, which runs at half the issue rate on an H200.
 
-    ``repacked``: the words are in :mod:`replicas.kernels.mxfp4_decode_layout`'s layout (pair 0 one
+    ``repacked``: the words are in :mod:`replicas.kernels.moe.decode_layout`'s layout (pair 0 one
     instruction, pairs 1 and 2 two, pair 3 four)."""
     acc = ["c", "d"][:chains]
     lines = ["{", ".reg .b32 a<4>, m, t, h<8>;", ".reg .f32 " + ", ".join(f"{c}<4>" for c in acc) + ";"]
@@ -115,9 +113,9 @@ def mma_asm(ref: str = "$", chains: int = 1, repacked: bool = False) -> str:
 
 
 def _repacked_pair(dst: str, word: str, p: int) -> list[str]:
-    """PTX decoding code pair ``p`` of a word in :mod:`replicas.kernels.mxfp4_decode_layout`'s layout into the
+    """PTX decoding code pair ``p`` of a word in :mod:`replicas.kernels.moe.decode_layout`'s layout into the
     bf16x2 register ``dst`` (temporaries ``m``, ``t``, ``a<4>`` untouched but ``dst``)."""
-    from replicas.kernels import mxfp4_decode_layout as layout
+    from replicas.kernels.moe import decode_layout as layout
 
     if p == 0:
         return [f"and.b32 {dst}, {word}, {layout.PAIR_MASK:#010x};"]
@@ -468,15 +466,6 @@ def mxfp4_activations(x: torch.Tensor) -> torch.Tensor:
     return y.to(torch.bfloat16)
 
 
-def _tile_overrides() -> dict[str, int]:
-    """``PERSISTENT_SERVE_MOE_TC="pairs=2,down_depth=2"``: these tiles win over :func:`triton_moe_tc`'s
-    arguments (for benchmarking a configuration end to end with ``ops.bench.engine``)."""
-    spec = os.environ.get("PERSISTENT_SERVE_MOE_TC", "")
-    return {k.strip(): int(v) for k, v in (item.split("=") for item in spec.split(",") if item.strip())}
-
-
-TILE_OVERRIDES = _tile_overrides()
-
 _ZEROS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -493,7 +482,7 @@ def triton_moe_tc(
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, x_mxfp4: torch.Tensor | None = None, num_warps: int = 4,
     down_num_warps: int | None = 8, depth: int = 1, down_depth: int | None = 2, pairs: int = 1,
-    down_pairs: int | None = 2, ptx: bool | None = None,
+    down_pairs: int | None = 2, ptx: bool | None = None, pdl: bool = True,
 ) -> torch.Tensor:
     """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches).
 
@@ -526,7 +515,7 @@ def triton_moe_tc(
     if ptx is None:
         ptx = x.is_cuda and not torch.version.hip
     tiles = {"num_warps": num_warps, "down_num_warps": down_num_warps or num_warps, "depth": depth,
-             "down_depth": down_depth or depth, "pairs": pairs, "down_pairs": down_pairs or pairs} | TILE_OVERRIDES
+             "down_depth": down_depth or depth, "pairs": pairs, "down_pairs": down_pairs or pairs}
     if x_mxfp4 is None:
         x_mxfp4 = mxfp4_activations(x)
     pairs_n = t * k  # (token, expert) pairs
@@ -538,7 +527,7 @@ def triton_moe_tc(
         gate_up_blocks.stride(0), gate_up_blocks.stride(1), gate_up_scales.stride(0), gate_up_scales.stride(1),
         gate_up_bias.stride(0), x_mxfp4.stride(0), h.stride(0), inter, alpha, limit,
         K=k, G=hidden // BLOCK_SIZE, W=tiles["num_warps"], DEPTH=tiles["depth"], PAIRS=tiles["pairs"], PTX=ptx,
-        num_warps=tiles["num_warps"], **pdl_args(x),
+        num_warps=tiles["num_warps"], **pdl_args(x, pdl),
     )
     out = torch.empty(t, k, hidden, dtype=torch.float32, device=x.device)
     _down_tc_kernel[(pairs_n, triton.cdiv(hidden, 16 * tiles["down_pairs"]))](
@@ -546,6 +535,6 @@ def triton_moe_tc(
         down_blocks.stride(0), down_blocks.stride(1), down_scales.stride(0), down_scales.stride(1),
         down_bias.stride(0), h.stride(0), hidden,
         G=inter // BLOCK_SIZE, W=tiles["down_num_warps"], DEPTH=tiles["down_depth"], PAIRS=tiles["down_pairs"],
-        PTX=ptx, num_warps=tiles["down_num_warps"], **pdl_args(x),
+        PTX=ptx, num_warps=tiles["down_num_warps"], **pdl_args(x, pdl),
     )
     return out

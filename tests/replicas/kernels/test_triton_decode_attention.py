@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from replicas.kernels.static_decode import static_decode_attention  # noqa: E402
+from replicas.kernels.decode_ops import static_decode_attention  # noqa: E402
 from replicas.kernels.triton_decode_attention import triton_decode_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

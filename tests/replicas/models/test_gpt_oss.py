@@ -20,11 +20,12 @@ from ops.tools.make_tiny_gpt_oss import make_tiny_gpt_oss
 from replicas.config import EngineConfig
 from replicas.engine import EngineCore, LLMEngine
 from replicas.kernels import paged_attention as pa
+from replicas.kernels.moe.mxfp4 import MXFP4Error
 from replicas.kernels.paged_attention import PAGE_SIZE, AttentionMetadata, paged_attention, write_kv
+from replicas.kernels.reference import clamped_swiglu
 from replicas.kv_cache import KVCache
-from replicas.models.gpt_oss import GptOssForCausalLM, clamped_swiglu, rope_inv_freq
+from replicas.models.gpt_oss import GptOssForCausalLM, rope_inv_freq
 from replicas.models.gpt_oss_config import GptOssConfig
-from replicas.models.mxfp4 import MXFP4Error
 from replicas.models.registry import model_class
 from replicas.persistent.eager import EagerBackend
 from replicas.persistent.lane import PersistentLane
@@ -118,7 +119,7 @@ def test_registry_and_config(tiny_dir, gpt_core):
 
 def test_weights_equal_transformers(gpt_core, hf_gpt):
     """Every tensor loads to the same values, MXFP4 experts included (ours dequantized, transposed)."""
-    from replicas.models.mxfp4 import dequantize_mxfp4
+    from replicas.kernels.moe.mxfp4 import dequantize_mxfp4
 
     ref = hf_gpt.state_dict()
     ours = gpt_core.model.state_dict()
@@ -412,7 +413,7 @@ def test_static_decode_step_greedy_matches_transformers(gpt_core, prompts, hf_gr
     from replicas.persistent.cuda_graph import CudaGraphBackend
 
     backend = CudaGraphBackend(gpt_core.model, "cpu", gpt_core.config.max_model_len)
-    assert backend.use_graphs is False and backend.compile_step is False
+    assert backend.use_graphs is False
     lane = PersistentLane(gpt_core, backend)
     items = list(lane.generate(greedy_request(f"g{index}", prompts[index], GREEDY_64)))
     assert tokens_of(items) == hf_greedy_64[index]

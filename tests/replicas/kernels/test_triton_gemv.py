@@ -71,7 +71,7 @@ def test_gemv_swiglu_epilogue_matches_llama_mlp_input(n, k, block_k):
 def test_add_rmsnorm_gemv_matches_the_two_steps(with_delta, swiglu, weight_in_fp32):
     """The residual add + RMSNorm recomputed by every program of the projection's launch: the same ``x`` and
     the same projection as ``add_rmsnorm_reference`` then ``F.linear`` (K = 200: not a power of two)."""
-    from replicas.kernels.static_decode import add_rmsnorm_reference
+    from replicas.kernels.decode_ops import add_rmsnorm_reference
     from replicas.kernels.triton_gemv import triton_add_rmsnorm_gemv
 
     g = torch.Generator().manual_seed(int(with_delta) + 2 * int(swiglu))

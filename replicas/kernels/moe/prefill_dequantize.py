@@ -5,10 +5,10 @@ routed expert once and runs dense GEMMs. In torch that is a lookup, a stack, an
 ``ldexp`` and a cast, each a full pass over the expert (about ten passes of
 bf16 traffic). Here one launch reads the packed bytes and scales and writes the
 values: E2M1 codes become fp32 bit patterns (the E2M1 value times ``2**-126``,
-see :mod:`replicas.kernels.triton_moe_gemv`), then one multiply by the exact
+see :mod:`replicas.kernels.moe.triton_fp32`), then one multiply by the exact
 power of two ``2**(s - 127 + 126)``, split as ``2**63 * 2**(s - 64)`` so that
 neither factor overflows fp32. Exact, like the torch reference
-(:func:`replicas.models.mxfp4.dequantize_mxfp4`).
+(:func:`replicas.kernels.moe.mxfp4.dequantize_mxfp4`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from replicas.kernels import mxfp4_decode_layout as layout
-from replicas.kernels.triton_moe_gemv import e2m1_bits
-from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
+from replicas.kernels.moe import decode_layout as layout
+from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
+from replicas.kernels.moe.triton_fp32 import e2m1_bits
 
 _PAIR_MASK = tl.constexpr(layout.PAIR_MASK)
 _PAIR3_MASK = tl.constexpr(layout.PAIR3_MASK)
@@ -39,7 +39,7 @@ def _pair_values(pair):
 
 @triton.jit
 def _repacked_bits(w):
-    """Words ``[BLOCKS, 4]`` uint32 in :mod:`replicas.kernels.mxfp4_decode_layout`'s layout → ``[BLOCKS, 32]``
+    """Words ``[BLOCKS, 4]`` uint32 in :mod:`replicas.kernels.moe.decode_layout`'s layout → ``[BLOCKS, 32]``
     fp32 E2M1 values times ``2**-126``, in element order (the decode kernels' pair decoding; pair 3's
     ``mul.hi`` written as its two right shifts)."""
     v = w & _PAIR3_MASK
@@ -81,7 +81,7 @@ def triton_dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
     ``[..., rows, G]`` → ``[..., rows, G * 32]`` in ``dtype`` (exact).
 
     ``ptx``: inline-PTX decoding (default on CUDA; Triton's CPU interpreter needs False).
-    ``repacked``: ``blocks`` are in :mod:`replicas.kernels.mxfp4_decode_layout`'s bit layout.
+    ``repacked``: ``blocks`` are in :mod:`replicas.kernels.moe.decode_layout`'s bit layout.
 
     Raises:
         ValueError: not uint8, not contiguous, or the shapes do not pair up.
