@@ -128,7 +128,8 @@ class EngineActor:
         )
 
         backend_name = self.persistent.backend.name if self.persistent and self.persistent.backend else None
-        self.telemetry = build_engine_telemetry(lane, config.name, backend_name, tracing)
+        self.settings = self._settings(backend_name)
+        self.telemetry = build_engine_telemetry(lane, config.name, backend_name, tracing, self.settings)
         self._requests: dict = {}  # request id -> RequestTelemetry, for the engine thread's queue-time hook
         self.telemetry.gauges(self._stats())
         # Ray drops a gauge nobody set recently: refresh the page/health gauges while idle too
@@ -143,6 +144,22 @@ class EngineActor:
             **(await self.stats()),
         }
 
+    def _settings(self, backend_name: str | None) -> dict:
+        """What this engine resolved at load and runs with (``/debug/stats`` ``settings``, span attributes):
+        the decode kernels and MoE backend (:meth:`EngineCore.describe_kernels`), the persistent backend and
+        whether its quanta are pipelined and use the fused greedy epilogue."""
+        from replicas.persistent.contract import PipelinedBackend
+
+        cfg = self.core.config
+        out = {"load_format": cfg.load_format, "dtype": str(cfg.resolved_dtype()).removeprefix("torch."),
+               "device": str(cfg.resolved_device()), **self.core.describe_kernels()}
+        if self.persistent is not None:
+            backend = self.persistent.backend
+            out["persistent_backend"] = backend_name
+            out["pipeline_quanta"] = bool(cfg.pipeline_quanta and isinstance(backend, PipelinedBackend))
+            out["fused_greedy_epilogue"] = bool(getattr(backend, "fused_epilogue", False))
+        return out
+
     def _stats(self) -> dict:
         return self.persistent.stats() if self.persistent else self.engine.stats()
 
@@ -156,7 +173,7 @@ class EngineActor:
 
     async def stats(self) -> dict:
         """KV page accounting and queue depth (read by tests and the debug endpoint)."""
-        return {**self._stats(), "placement_group_id": _placement_group_id()}
+        return {**self._stats(), "placement_group_id": _placement_group_id(), "settings": self.settings}
 
     def _scheduled(self, request_id: str) -> None:
         rt = self._requests.get(request_id)

@@ -169,6 +169,8 @@ class CudaGraphBackend(PipelinedBackend):
             from replicas.kernels.triton_greedy import greedy_step
 
             self._fused_epilogue = greedy_step
+        self.fused_epilogue = self._fused_epilogue is not None
+        """Whether each step's epilogue is the one Triton launch (CUDA and ``fused_epilogue``)."""
         self._workspace: dict = {}
         self._planes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
