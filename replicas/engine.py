@@ -134,8 +134,13 @@ def load_tokenizer(path, required: bool = True):
 
     Raises:
         OSError: no tokenizer at ``path`` (and ``required``)."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not required and not any((Path(path) / f).is_file() for f in files):
+        return None
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
