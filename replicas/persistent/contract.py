@@ -1,4 +1,4 @@
-"""The persistent-decode contract every backend implements (DESIGN.md).
+"""The persistent-decode contract every backend implements (docs/design.md "Persistent decode contract").
 
 The shapes and rules follow AMD aiter's ``aiter.MK1`` persistent decoder
 (squashed commit 4b492bb), which is the production target; our ``eager`` and
@@ -201,7 +201,7 @@ def validate_request(req: QuantumRequest) -> None:
 
 
 def validate_result(req: QuantumRequest, res: QuantumResult) -> None:
-    """The caller's check of every result (DESIGN.md).
+    """The caller's check of every result (docs/design.md "QuantumResult and its validation").
 
     Raises:
         InvalidQuantumResultError: ``1 <= len(emitted) <= max_tokens``,
