@@ -251,8 +251,7 @@ class PipelinedBackend(PersistentBackend):
 
     Batch-one decode with one host synchronization per quantum leaves the GPU idle
     while the host reads a quantum's tokens, streams them and prepares the next
-    launch (about 0.3-0.5 ms per quantum for gpt-oss-120b on an H200,
-    ``docs/benchmarks.md``). Like vLLM's asynchronous scheduling, the lane
+    launch. Like vLLM's asynchronous scheduling, the lane
     instead launches quantum k+1 right behind quantum k, *before* collecting
     k: k+1 *follows* k, i.e. it starts from the token and position k leaves on
     the device, and counts nothing if k emitted a stop id. The caller predicts
