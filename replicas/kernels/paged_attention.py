@@ -1,6 +1,6 @@
 """Paged attention over the engine's KV cache (torch reference implementation).
 
-KV cache geometry (DESIGN.md): one tensor ``[2, num_layers, num_blocks,
+KV cache geometry (docs/design.md "KV cache geometry"): one tensor ``[2, num_layers, num_blocks,
 PAGE_SIZE, num_kv_heads, head_dim]``; each layer's key plane and value plane is
 ``[num_blocks, PAGE_SIZE, num_kv_heads, head_dim]``. A token at position ``p``
 of a sequence lives in physical page ``block_table[p // PAGE_SIZE]`` at offset
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 PAGE_SIZE = 16
-"""Tokens per KV page (DESIGN.md, "KV cache geometry"; vLLM's default block size)."""
+"""Tokens per KV page (docs/design.md "KV cache geometry"; vLLM's default block size)."""
 
 
 @dataclass

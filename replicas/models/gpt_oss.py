@@ -2,8 +2,8 @@
 
 Read top to bottom: YaRN RoPE → attention (biases, per-head sinks,
 128-token sliding window on ``sliding_attention`` layers) → MoE (top-k router,
-MXFP4 experts with the clamped SwiGLU) → decoder layer → model (RMSNorm and the
-half-split rotation: :mod:`replicas.models.layers`). Module and
+MXFP4 experts with the clamped SwiGLU) → decoder layer → model (RMSNorm:
+:mod:`replicas.models.layers`; the half-split rotation: :mod:`replicas.kernels.reference`). Module and
 tensor names mirror transformers' ``GptOssForCausalLM`` and the HF checkpoint
 (experts as ``*_blocks``/``*_scales``), so safetensors load by name;
 transformers is our test reference, not our runtime. Shapes: ``T`` = new

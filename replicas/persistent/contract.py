@@ -1,4 +1,4 @@
-"""The persistent-decode contract every backend implements (DESIGN.md).
+"""The persistent-decode contract every backend implements (docs/design.md "Persistent decode contract").
 
 The shapes and rules follow AMD aiter's ``aiter.MK1`` persistent decoder
 (squashed commit 4b492bb), which is the production target; our ``eager`` and
@@ -201,7 +201,7 @@ def validate_request(req: QuantumRequest) -> None:
 
 
 def validate_result(req: QuantumRequest, res: QuantumResult) -> None:
-    """The caller's check of every result (DESIGN.md).
+    """The caller's check of every result (docs/design.md "QuantumResult and its validation").
 
     Raises:
         InvalidQuantumResultError: ``1 <= len(emitted) <= max_tokens``,
@@ -251,8 +251,7 @@ class PipelinedBackend(PersistentBackend):
 
     Batch-one decode with one host synchronization per quantum leaves the GPU idle
     while the host reads a quantum's tokens, streams them and prepares the next
-    launch (about 0.3-0.5 ms per quantum for gpt-oss-120b on an H200,
-    ``docs/benchmarks.md``). Like vLLM's asynchronous scheduling, the lane
+    launch. Like vLLM's asynchronous scheduling, the lane
     instead launches quantum k+1 right behind quantum k, *before* collecting
     k: k+1 *follows* k, i.e. it starts from the token and position k leaves on
     the device, and counts nothing if k emitted a stop id. The caller predicts

@@ -3,8 +3,8 @@
 Off unless ``persistent_fault_injection`` is set in the app config (it never is
 by default). When set, the replica's backend is wrapped in
 :class:`FaultInjectingBackend`, which fails every ``every_n``-th quantum of that
-replica in one of the two ways the contract (DESIGN.md, "Persistent decode
-contract") distinguishes:
+replica in one of the two ways the contract (docs/design.md "Errors")
+distinguishes:
 
 - ``prelaunch``: raise :class:`PrelaunchError` before calling the backend, so
   the KV cache is untouched and the lane falls back;
