@@ -269,9 +269,6 @@ class GptOssForCausalLM(nn.Module):
         x = self.model.norm(x[meta.last_token_indices.to(x.device)])  # [B, hidden]
         return self.lm_head(x).float()  # [B, vocab]
 
-    compile_decode_step = False
-    """The decode step is already our Triton kernels plus the cuBLAS LM head; Inductor has nothing left to fuse."""
-
     config_class = GptOssConfig
     """The config type ``config.json`` parses into."""
 

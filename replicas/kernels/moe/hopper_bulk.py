@@ -288,7 +288,8 @@ def available(device_index: int) -> bool:
         with torch.cuda.device(device_index):
             _kernel(1, 1, 1, 1, True, False)
     except RuntimeError as exc:
-        warnings.warn(f"cuda_moe_bulk unavailable ({exc}); using the Triton tensor-core MoE kernels", stacklevel=2)
+        warnings.warn(f"the hopper_bulk MoE kernels do not compile here ({exc}); moe_backend=auto takes the next "
+                      "backend, a named hopper_bulk fails the load", stacklevel=2)
         return False
     return True
 
