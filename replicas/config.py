@@ -26,10 +26,13 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(
         None, ge=1, description=f"KV pages ({PAGE_SIZE} tokens each); default: 4 x max_model_len worth."
     )
-    max_num_seqs: int = Field(32, ge=1, description="Most requests decoded together on the standard lane.")
+    max_num_seqs: int = Field(256, ge=1, description="Most requests decoded together on the standard lane "
+                              "(vLLM's default); decode CUDA graphs are captured up to it.")
     max_num_batched_tokens: int = Field(4096, ge=16, description="Most new tokens per standard-lane step.")
     enable_prefix_caching: bool = Field(
-        True, description="Share KV pages of equal prompt prefixes on the standard lane (hash-chained full pages)."
+        True, description="Share KV pages of equal prompt prefixes (hash-chained full pages) on the standard lane "
+        "and on the persistent lane where its backend takes cached pages (every backend but mk1, whose envelope "
+        "requires it off)."
     )
     enable_chunked_prefill: bool = Field(
         True, description="Split long prompts across steps under max_num_batched_tokens, mixed with decodes."
@@ -38,7 +41,14 @@ class EngineConfig(BaseModel):
         False, description="Never replay CUDA graphs for standard-lane decode steps (vLLM's flag of that name)."
     )
     cuda_graph_batch_sizes: tuple[int, ...] = Field(
-        (1, 2, 4, 8, 16, 32), description="Batch-size buckets of the standard lane's decode CUDA graphs (GPU only)."
+        (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256),
+        description="Batch-size buckets of the standard lane's decode CUDA graphs (GPU only; those above "
+                    "max_num_seqs are dropped; each is captured the first time a step needs it).",
+    )
+    prefill_kernels: bool = Field(
+        True, description="On CUDA, run prefill and mixed steps through the Triton prefill attention and grouped "
+        "MXFP4 MoE kernels (replicas/kernels/prefill_attention.py, moe_grouped_gemm.py); False keeps the torch "
+        "reference path (attention per sequence, each routed expert dequantized), e.g. to compare the two.",
     )
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's own).")
     progress: bool = Field(True, description="Show progress bars while loading.")

@@ -13,6 +13,7 @@ import torch
 
 from replicas.config import EngineConfig
 from replicas.detokenizer import IncrementalDetokenizer
+from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.kv_cache import KVCache, PageAllocator
 from replicas.messages import GenerationChunk, TokenLogprobs
 from replicas.model_runner import ModelRunner
@@ -41,7 +42,7 @@ class EngineCore:
         """Resolve (and convert once) the model, load weights, allocate the KV cache.
 
         ``enable_prefix_caching`` overrides ``config.enable_prefix_caching``
-        (the persistent lane runs without it, as MK1 requires).
+        (the persistent lane's replica turns it off for the mk1 backend, as MK1 requires).
 
         Raises:
             ModelNotFoundError: the model cannot be found.
@@ -69,7 +70,8 @@ class EngineCore:
         return cls(
             config=config, model=model, tokenizer=tokenizer, kv_cache=kv,
             allocator=PageAllocator(kv.num_blocks, enable_prefix_caching=enable_prefix_caching),
-            runner=ModelRunner(model, kv.planes(), device, graphs=decode_graphs(config, model, kv, device)),
+            runner=ModelRunner(model, kv.planes(), device, graphs=decode_graphs(config, model, kv, device),
+                               inputs=step_inputs(config, device), kernels=config.prefill_kernels),
             eos_token_ids=frozenset(eos),
         )
 
@@ -229,3 +231,11 @@ def decode_graphs(config: EngineConfig, model, kv, device):
     sizes = tuple(b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs) or (1,)
     graphs = DecodeGraphs(model, kv.planes(), device, config.max_model_len, sizes)
     return graphs if graphs.batch_sizes else None
+
+
+def step_inputs(config: EngineConfig, device):
+    """The model runner's persistent step buffers (:class:`~replicas.step_inputs.StepInputs`) for this engine:
+    block tables as wide as ``max_model_len`` (the decode graphs' width), rows for twice ``max_num_seqs``."""
+    from replicas.step_inputs import StepInputs
+
+    return StepInputs(device, -(-config.max_model_len // PAGE_SIZE), max_rows=2 * config.max_num_seqs + 8)

@@ -106,12 +106,13 @@ def build_core(raw_cfg: dict, device: torch.device, dtype: torch.dtype, max_mode
 
 
 def build_gpt_oss_core(raw_cfg: dict, device: torch.device, dtype: torch.dtype, max_model_len: int,
-                       tokenizer=None):
+                       tokenizer=None, **engine):
     """An :class:`EngineCore` over a random GPT-OSS of ``raw_cfg``'s shape, generated on ``device``.
 
     Dense weights ``N(0, 0.02)`` in ``dtype``, norms 1, sinks ``N(0, 1)``; experts random packed MXFP4
     bytes with E8M0 scales 2**-9 .. 2**-4 (element magnitudes up to 6 * 2**-4, like trained experts).
-    Nothing is allocated on the host: gpt-oss-120b needs ~65 GB of device memory.
+    Nothing is allocated on the host: gpt-oss-120b needs ~65 GB of device memory. ``engine``: more
+    :class:`~replicas.config.EngineConfig` fields (see :func:`core_for`).
     """
     from replicas.models.gpt_oss import GptOssForCausalLM, rope_tables
     from replicas.models.gpt_oss_config import GptOssConfig
@@ -135,7 +136,8 @@ def build_gpt_oss_core(raw_cfg: dict, device: torch.device, dtype: torch.dtype, 
                 t.normal_(0.0, 0.02, generator=gen)
     cos, sin = rope_tables(cfg)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    return core_for(model.eval().fuse_qkv().prepare_decode_layout(), device, dtype, max_model_len, tokenizer)
+    return core_for(model.eval().fuse_qkv().prepare_decode_layout(), device, dtype, max_model_len, tokenizer,
+                    **engine)
 
 
 def load_smollm2_core(path: str, device: torch.device, dtype: torch.dtype, max_model_len: int):
@@ -148,21 +150,25 @@ def load_smollm2_core(path: str, device: torch.device, dtype: torch.dtype, max_m
                                         enable_prefix_caching=False, progress=False))
 
 
-def core_for(model, device: torch.device, dtype: torch.dtype, max_model_len: int, tokenizer=None):
-    """Wrap ``model`` in an :class:`EngineCore` with a KV cache for two ``max_model_len`` sequences."""
+def core_for(model, device: torch.device, dtype: torch.dtype, max_model_len: int, tokenizer=None, **engine):
+    """Wrap ``model`` in an :class:`EngineCore` with a KV cache for two ``max_model_len`` sequences (prefix
+    caching off); ``engine`` overrides :class:`~replicas.config.EngineConfig` fields (e.g. ``num_kv_blocks``,
+    ``max_num_seqs``, ``enable_prefix_caching``)."""
     from replicas.config import EngineConfig
-    from replicas.engine import EngineCore, decode_graphs
+    from replicas.engine import EngineCore, decode_graphs, step_inputs
     from replicas.kv_cache import KVCache, PageAllocator
     from replicas.model_runner import ModelRunner
 
     cfg = model.config
+    fields = {"num_kv_blocks": 2 * -(-max_model_len // 16) + 8, "enable_prefix_caching": False, **engine}
     ecfg = EngineConfig(model="random", device=str(device), dtype=str(dtype).removeprefix("torch."),
-                        max_model_len=max_model_len, num_kv_blocks=2 * -(-max_model_len // 16) + 8,
-                        enable_prefix_caching=False, progress=False)
+                        max_model_len=max_model_len, progress=False, **fields)
     kv = KVCache(cfg, ecfg.resolved_num_kv_blocks(), dtype, device)
-    runner = ModelRunner(model, kv.planes(), device, graphs=decode_graphs(ecfg, model, kv, device))
+    runner = ModelRunner(model, kv.planes(), device, graphs=decode_graphs(ecfg, model, kv, device),
+                         inputs=step_inputs(ecfg, device), kernels=ecfg.prefill_kernels)
     return EngineCore(config=ecfg, model=model, tokenizer=tokenizer or _NullTokenizer(), kv_cache=kv,
-                      allocator=PageAllocator(kv.num_blocks), runner=runner, eos_token_ids=frozenset(cfg.eos_token_ids))
+                      allocator=PageAllocator(kv.num_blocks, enable_prefix_caching=ecfg.enable_prefix_caching),
+                      runner=runner, eos_token_ids=frozenset(cfg.eos_token_ids))
 
 
 def _sync(device: torch.device) -> None:

@@ -353,3 +353,19 @@ def expert_bytes(num_experts_read: int, hidden: int, inter: int) -> int:
     """Packed bytes of ``num_experts_read`` experts' two matrices (4.25 bits per weight) plus bf16 biases."""
     per = (2 * inter * hidden + hidden * inter) * 17 // 32 + (2 * inter + hidden) * 2
     return num_experts_read * per
+
+
+def _packed_of(experts) -> tuple:
+    return (experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.gate_up_proj_bias,
+            experts.down_proj_blocks, experts.down_proj_scales, experts.down_proj_bias, experts.alpha, experts.limit)
+
+
+def experts_partials(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
+    """:func:`grouped_moe_partials` for an experts module with GPT-OSS's buffer names (``*_blocks``,
+    ``*_scales``, ``*_bias``, ``alpha``, ``limit``; ``decode_layout`` True when repacked at load)."""
+    return grouped_moe_partials(x, weights, ids, *_packed_of(experts), repacked=getattr(experts, "decode_layout", False))
+
+
+def experts_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
+    """:func:`grouped_moe` for an experts module (see :func:`experts_partials`): ``[T, hidden]`` in ``x.dtype``."""
+    return grouped_moe(x, weights, ids, *_packed_of(experts), repacked=getattr(experts, "decode_layout", False))

@@ -41,6 +41,7 @@ from replicas.kernels.moe import (
 )
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from replicas.kernels.static_decode import add_rmsnorm, decode_attention, linear, rope_kv_write
+from replicas.kernels.triton_loader import lazy_kernel
 from replicas.models.gpt_oss_config import GptOssConfig, YarnScaling
 from replicas.models.layers import RMSNorm, apply_rope_half
 from replicas.models.loader import load_safetensors
@@ -225,12 +226,24 @@ class MLP(nn.Module):
         self.router = Router(cfg)
         self.experts = Experts(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # Triton routing + packed-MXFP4 kernels for decode-sized batches
+    def forward(self, x: torch.Tensor, kernels: bool = True) -> torch.Tensor:
+        """``x [T, hidden]`` → ``[T, hidden]``. On CUDA: Triton routing, then for more than
+        ``GROUPED_MAX_TOKENS`` tokens (with ``kernels``) the grouped MXFP4 GEMMs, else the decode kernels
+        (:func:`~replicas.kernels.moe.moe`); on CPU the reference."""
+        if x.is_cuda:  # Triton routing + packed-MXFP4 kernels
             weights, idx = route(self.router, x)
+            # --- issue 18: grouped MoE GEMMs for prefill / large batches (old path: moe() below) ---
+            grouped = _grouped_kernel("experts_moe") if kernels and x.shape[0] > GROUPED_MAX_TOKENS else None
+            if grouped is not None:
+                return grouped(x, weights, idx, self.experts)
             return moe(x, weights, idx, self.experts)
         weights, idx = self.router(x)  # [T, K]
         return self.experts(x, weights, idx)
+
+
+def _grouped_kernel(name: str):
+    """``replicas.kernels.moe_grouped_gemm.<name>`` (None without Triton)."""
+    return lazy_kernel("replicas.kernels.moe_grouped_gemm", name)
 
 
 # ----------------------------------------------------------------------------------------- the model
@@ -246,7 +259,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, meta, planes):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, planes)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), meta.kernels)
 
 
 class GptOssBackbone(nn.Module):
@@ -288,12 +301,11 @@ class GptOssForCausalLM(nn.Module):
     compile_decode_step = False
     """The decode step is already our Triton kernels plus the cuBLAS LM head; Inductor has nothing left to fuse."""
 
-    max_decode_graph_batch = GROUPED_MAX_TOKENS
-    """Standard-lane decode CUDA graphs up to ``GROUPED_MAX_TOKENS`` sequences: above it the MoE
-    dequantizes the routed experts (a host sync, not capturable). They were off until 2026-11-30: the
-    graphs' staging buffer passes positions as a strided column, and the RoPE/KV-write kernel read them
-    as if contiguous, so rows 1.. of a graphed batch were rotated and cached at wrong positions (0/20
-    prompts matched the persistent lane on the H200)."""
+    max_decode_graph_batch = None
+    """No limit on the standard lane's decode CUDA graphs: above ``GROUPED_MAX_TOKENS`` sequences the
+    grouped MXFP4 GEMMs (:mod:`replicas.kernels.moe_grouped_gemm`) serve the MoE without a host sync.
+    (Without Triton the MoE dequantizes the routed experts, which syncs: those buckets fail to capture and
+    run eagerly, :mod:`replicas.decode_graphs`.)"""
 
     def fuse_qkv(self) -> GptOssForCausalLM:
         """Fuse every layer's q/k/v projections (:meth:`Attention.fuse_qkv`); returns ``self``."""
@@ -344,6 +356,7 @@ class GptOssForCausalLM(nn.Module):
         x = self.model.embed_tokens(token)  # [B, hidden]
         _, h = add_rmsnorm(x, None, layers[0].input_layernorm, True)
         mx = moe_takes_mxfp4(h, layers[0].mlp.experts)  # the post-attention norm also writes their format
+        grouped = _grouped_kernel("experts_partials") if h.is_cuda and h.shape[0] > GROUPED_MAX_TOKENS else None
         for i, (layer, (kp, vp)) in enumerate(zip(layers, kv_planes, strict=True)):
             attn = layer.self_attn
             q = rope_kv_write(attn, h, self.rope_cos, self.rope_sin, position, block_table, kp, vp)  # [1, H, D]
@@ -353,7 +366,10 @@ class GptOssForCausalLM(nn.Module):
             x, h, h_mx, weights, ids = add_rmsnorm_route(x, o, layer.post_attention_layernorm, layer.mlp.router,
                                                          mxfp4_out=mx, workspace=self._decode_workspace)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, h = moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True, x_mxfp4=h_mx)
+            if grouped is not None:  # issue 18: above GROUPED_MAX_TOKENS rows, the grouped GEMMs (capturable)
+                x, h = add_rmsnorm(x, grouped(h, weights, ids, layer.mlp.experts), norm, True)
+            else:
+                x, h = moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True, x_mxfp4=h_mx)
         return self.lm_head(h)  # the LM head's dtype: greedy quanta take the argmax as it is
 
     @classmethod
