@@ -176,7 +176,7 @@ class LLMEngine:
                 rows.append(self._sampling_row(self._tracked[req.request_id]))
         if not sampled:
             return []
-        out = sample_rows(logits[sampled], rows)
+        out = sample_rows(logits if len(sampled) == len(batch) else logits[sampled], rows)  # pure decode: no gather
         chunks = []
         for j, i in enumerate(sampled):
             tracked = self._tracked[batch[i][0].request_id]
