@@ -23,9 +23,11 @@ others; a time budget, ``--budget-s``, skips what would not fit):
   standard lane at concurrency 1, 8, 16, 64, 256 (random 1,024-token prompts, 128 new tokens, greedy):
   output tok/s, ITL median/p99, the median decode step at full concurrency and its fraction of the
   bandwidth floor of what it reads (dense weights, the distinct experts ``c`` tokens route to, the KV).
-* ``lanes`` — a small random GPT-OSS in fp32: greedy tokens of 20 prompts x 128 identical between the
-  persistent lane and the standard lane (new prefill, decode graphs past 16 sequences), and the standard
-  lane at concurrency 64 against the same requests one at a time (how many match).
+* ``lanes`` — a small random GPT-OSS in fp32 and bf16: greedy tokens of 20 prompts x 128 identical between
+  the persistent lane and the standard lane (new prefill, decode graphs past 16 sequences), and the
+  standard lane at concurrency 64 against the same requests one at a time (how many match).
+* ``tiles`` — tile alternatives of the grouped MoE GEMMs (64, 1,024, 8,192 tokens) and of the prefill
+  attention (8,192 tokens), for choosing the defaults.
 
 Everything is printed as tables at the end and written to ``--out`` (default ``$OUT``): ``report.md``
 (tables, command, GPU and versions), ``results.json``, ``errors.txt`` (tracebacks of failed parts) and
@@ -52,7 +54,7 @@ from pathlib import Path
 import torch
 
 DOCS_MARKER = "bench_prefill"
-PARTS = ("checks", "kernels", "gpt-oss-120b", "gpt-oss-20b", "lanes")
+PARTS = ("checks", "kernels", "gpt-oss-120b", "gpt-oss-20b", "lanes", "tiles")
 
 
 class Settings:
@@ -64,7 +66,7 @@ class Settings:
     smoke = False
     tokens = (1, 16, 64, 1024, 8192)
     prompts = (128, 1024, 8192)
-    warm_prompts = (300, 1000, 2000, 4000, 8192)
+    warm_prompts = (128, 300, 500, 1000, 2000, 8192)  # every MoE block height and both attention variants
     concurrency = (1, 8, 16, 64, 256)
     sweep_prompt = 1024
     repeat_prompt = 2000
@@ -759,6 +761,75 @@ def _sweep(rep: Report, args, core) -> None:
               f"routing) + the KV at the mean context, at {args.bandwidth_tbps} TB/s.")
 
 
+# ------------------------------------------------------------------------------------------- tiles
+
+
+MOE_TILES = {  # tokens -> alternatives for the block height pick_block_m gives them (120b: 128 experts, top 4)
+    64: [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 3), (32, 128, 2, 3), (64, 128, 8, 4)],
+    1024: [(64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3)],
+    8192: [(128, 64, 8, 3), (128, 64, 4, 3), (256, 64, 8, 3), (128, 128, 8, 4)],
+}
+"""``(block_n, block_k, num_warps, num_stages)`` tried per token count."""
+
+ATTN_TILES = [(128, 64, 4, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]
+"""``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the prefill attention tried at 8,192 tokens."""
+
+
+def part_tiles(rep: Report, args) -> None:
+    """Tile alternatives of the two kernels (for choosing defaults; every result is checked against the
+    default tile's)."""
+    from replicas.kernels import moe_grouped_gemm as mg
+    from replicas.kernels import prefill_attention as pa
+    from replicas.kernels.paged_attention import paged_attention
+
+    e, hidden, inter, k = S.moe
+    experts = repacked_copy(random_experts(e, hidden, inter, S.dtype, seed=5))
+    rows = []
+    for t, tiles in MOE_TILES.items():
+        if S.smoke:
+            t, tiles = 9, tiles[:2]
+        if rep.left() < 30:
+            break
+        g = torch.Generator(device=S.device).manual_seed(t)
+        x = torch.randn(t, hidden, generator=g, device=S.device).to(S.dtype)
+        top, ids = torch.topk(torch.randn(t, e, generator=g, device=S.device), k, dim=-1)
+        w = torch.softmax(top, -1).to(S.dtype)
+        bm = mg.pick_block_m(t * k, e)
+        want = mg.experts_moe(x, w, ids, experts)
+        for bn, bk, warps, stages in tiles:
+            mg.TILE_OVERRIDES[bm] = mg.TileConfig(bm, bn, bk, warps, stages)
+            try:
+                ms = cuda_ms(lambda x=x, w=w, i=ids: mg.experts_moe(x, w, i, experts))
+                err = rel_err(mg.experts_moe(x, w, ids, experts), want)
+                rows.append([f"MoE {t} tokens", f"M{bm} N{bn} K{bk} w{warps} s{stages}", ms, err])
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile
+                rows.append([f"MoE {t} tokens", f"M{bm} N{bn} K{bk} w{warps} s{stages}", float("nan"),
+                             f"{type(exc).__name__}: {str(exc)[:80]}"])
+            finally:
+                mg.TILE_OVERRIDES.clear()
+    n = 40 if S.smoke else 8192
+    q, kp, vp, meta = attention_batch([n], [n], seed=9)
+    sinks = torch.randn(S.heads[0], device=S.device).to(S.dtype)
+    want = paged_attention(q, kp, vp, meta, 0.125, sinks=sinks)
+    for bm, bn, warps, stages in ATTN_TILES[:2] if S.smoke else ATTN_TILES:
+        if rep.left() < 15:
+            break
+        pa.CONFIG_OVERRIDES.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        meta.cache.clear()  # the tile map depends on BLOCK_M
+        try:
+            ms = cuda_ms(lambda: paged_attention(q, kp, vp, meta, 0.125, sinks=sinks))
+            rows.append([f"attention {n} tokens", f"M{bm} N{bn} w{warps} s{stages}", ms,
+                         rel_err(paged_attention(q, kp, vp, meta, 0.125, sinks=sinks), want)])
+        except Exception as exc:  # noqa: BLE001
+            rows.append([f"attention {n} tokens", f"M{bm} N{bn} w{warps} s{stages}", float("nan"),
+                         f"{type(exc).__name__}: {str(exc)[:80]}"])
+        finally:
+            pa.CONFIG_OVERRIDES.clear()
+            meta.cache.clear()
+    rep.table("Tile alternatives (first row of each group: the default), gpt-oss-120b layer shapes",
+              ["kernel", "tile", "ms", "rel diff to default"], rows)
+
+
 # ------------------------------------------------------------------------------------------- lanes
 
 
@@ -886,7 +957,7 @@ def main(argv: list[str] | None = None) -> Report | None:
     elif not torch.cuda.is_available():
         raise SystemExit("ops.bench.prefill needs a CUDA GPU (or --smoke)")
     rep = Report(Path(args.out), argv, args.budget_s)
-    runners = {"checks": part_checks, "kernels": part_kernels, "lanes": part_lanes,
+    runners = {"checks": part_checks, "kernels": part_kernels, "lanes": part_lanes, "tiles": part_tiles,
                "gpt-oss-120b": lambda r, a: part_model(r, a, "gpt-oss-120b"),
                "gpt-oss-20b": lambda r, a: part_model(r, a, "gpt-oss-20b")}
     for part in [x.strip() for x in args.parts.split(",") if x.strip()]:

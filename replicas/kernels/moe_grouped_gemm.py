@@ -50,6 +50,7 @@ dequantized, dense GEMMs, the same math as transformers' ``GptOssExperts``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -88,22 +89,23 @@ class TileConfig:
 TILES = {
     16: TileConfig(16, 64, 128, 4, 3),
     32: TileConfig(32, 64, 128, 4, 3),
-    64: TileConfig(64, 128, 64, 4, 3),
+    64: TileConfig(64, 64, 128, 4, 3),
     128: TileConfig(128, 128, 64, 8, 3),
 }
 """Tile shape per ``BLOCK_M`` (chosen by :func:`pick_block_m` from the pairs per expert). Small M-blocks
 (decode batches, a few pairs per expert) are bound by reading and decoding the weights: wide K steps; large
-ones (prefill) by the tensor cores."""
+ones (long prompts) by the tensor cores. ``python -m ops.bench.prefill --parts tiles`` times alternatives."""
 
 TILE_OVERRIDES: dict[int, TileConfig] = {}
 """Benchmark-only replacements of :data:`TILES` entries (``ops/bench/prefill.py`` sweeps a few)."""
 
 
 def pick_block_m(num_pairs: int, num_experts: int) -> int:
-    """``BLOCK_M``: the mean pairs per expert rounded up to a power of two, within 16..128 (``tl.dot`` needs
-    16; beyond 128 the tile no longer fits the registers well)."""
-    mean = -(-num_pairs // max(1, num_experts))
-    return min(128, max(16, triton.next_power_of_2(mean)))
+    """``BLOCK_M``: a power of two (16..128: ``tl.dot`` needs 16, past 128 the tile no longer fits the
+    registers) at least the mean pairs per expert plus two standard deviations of a Poisson count
+    (``m + 2 sqrt(m)``), so that most experts fit one M-block and their weights are decoded once."""
+    mean = num_pairs / max(1, num_experts)
+    return min(128, max(16, triton.next_power_of_2(math.ceil(mean + 2 * math.sqrt(mean)))))
 
 
 def tile_config(block_m: int) -> TileConfig:

@@ -125,4 +125,6 @@ def test_grouping_on_device():
     used = g.block_expert < 5
     assert g.max_blocks == 3 + 5 and g.block_expert[used].tolist() == [0, 2, 2, 3]
     assert g.block_row[used].tolist() == [0, 2, 4, 5]
-    assert mg.pick_block_m(4, 128) == 16 and mg.pick_block_m(4096, 128) == 32 and mg.pick_block_m(32768, 32) == 128
+    # decode batches: 16 rows; 1,024 tokens x 4 of 128 experts (mean 32): 64; long prompts: 128
+    assert mg.pick_block_m(4, 128) == 16 and mg.pick_block_m(1024, 128) == 16
+    assert mg.pick_block_m(4096, 128) == 64 and mg.pick_block_m(32768, 32) == 128
