@@ -65,6 +65,7 @@ class Settings:
     dtype = torch.bfloat16
     smoke = False
     tokens = (1, 16, 64, 1024, 8192)
+    moe_tokens = (1, 8, 16, 64, 256, 1024, 8192)  # 8 and 256: the standard lane's c=8 and c=256 decode steps
     prompts = (128, 1024, 8192)
     warm_prompts = (128, 300, 500, 1000, 2000, 8192)  # every MoE block height and both attention variants
     concurrency = (1, 8, 16, 64, 256)
@@ -80,6 +81,7 @@ class Settings:
     def make_smoke(cls) -> None:
         cls.device, cls.dtype, cls.smoke = "cpu", torch.float32, True
         cls.tokens, cls.prompts, cls.warm_prompts, cls.concurrency = (1, 16, 40), (16, 40), (40,), (1, 3)
+        cls.moe_tokens = cls.tokens
         cls.sweep_prompt, cls.repeat_prompt = 24, 40
         cls.heads, cls.moe, cls.check_experts, cls.moe_check_tokens = (8, 2, 16), (8, 64, 64, 2), 8, (1, 9)
         cls.lanes = (3, 6, 4)
@@ -490,7 +492,7 @@ def _moe_kernels(rep: Report, args) -> None:
         except Exception as exc:  # noqa: BLE001
             peer = f"not run: weight swizzle failed ({type(exc).__name__}: {exc})"
     rows, notes = [], []
-    for t in S.tokens:
+    for t in S.moe_tokens:
         g = torch.Generator(device=S.device).manual_seed(t)
         x = torch.randn(t, hidden, generator=g, device=S.device).to(S.dtype)
         logits = torch.randn(t, e, generator=g, device=S.device).to(S.dtype)
@@ -656,19 +658,31 @@ def part_model(rep: Report, args, shape: str) -> None:
     try:
         t0 = time.perf_counter()
         for n in S.warm_prompts:  # compile every tile configuration before timing
-            ttft_persistent(core, random_prompt(vocab, n, seed=n))
+            try:
+                ttft_persistent(core, random_prompt(vocab, n, seed=n))
+            except Exception as exc:  # noqa: BLE001 - reported; that length fails below too
+                rep.error(f"{shape}/warm-up {n} tokens", exc)
         warm_s = time.perf_counter() - t0
         rows = []
         for n in S.prompts:
             comp, byt = prefill_floor(core.model, n, args)
-            pers = statistics.median(ttft_persistent(core, random_prompt(vocab, n, 100 + r)) for r in range(args.reps))
-            std = statistics.median(ttft_standard(core, random_prompt(vocab, n, 200 + r)) for r in range(args.reps))
-            rows.append([n, pers, std, comp, byt, max(comp, byt) / min(pers, std)])
+            try:
+                pers = statistics.median(ttft_persistent(core, random_prompt(vocab, n, 100 + r))
+                                         for r in range(args.reps))
+                std = statistics.median(ttft_standard(core, random_prompt(vocab, n, 200 + r))
+                                        for r in range(args.reps))
+                rows.append([n, pers, std, comp, byt, max(comp, byt) / min(pers, std)])
+            except Exception as exc:  # noqa: BLE001 - the other lengths still run
+                rep.error(f"{shape}/TTFT {n} tokens", exc)
+                rows.append([n, float("nan"), float("nan"), comp, byt, f"failed: {type(exc).__name__}"])
         before = ""
         if rep.left() > 60:
             core.runner.kernels = False
             try:
                 old = ttft_persistent(core, random_prompt(vocab, S.prompts[1], 300))
+            except Exception as exc:  # noqa: BLE001
+                rep.error(f"{shape}/previous path", exc)
+                old = float("nan")
             finally:
                 core.runner.kernels = True
             before = (f"Previous path (torch attention per sequence, experts dequantized one by one), "
@@ -680,7 +694,11 @@ def part_model(rep: Report, args, shape: str) -> None:
                   f"warm-up (compiling) {warm_s:.0f} s. {before}")
         prompt = random_prompt(vocab, S.repeat_prompt, 400)
         hits: list[int] = []
-        cold, warm = ttft_persistent(core, prompt, hits), ttft_persistent(core, prompt, hits)
+        try:
+            cold, warm = ttft_persistent(core, prompt, hits), ttft_persistent(core, prompt, hits)
+        except Exception as exc:  # noqa: BLE001
+            rep.error(f"{shape}/repeated prompt", exc)
+            cold, warm, hits = float("nan"), float("nan"), [-1, -1]
         rep.table(f"Persistent lane, repeated {S.repeat_prompt:,}-token prompt, {shape}, prefix caching on",
                   ["request", "TTFT ms", "prompt tokens from the prefix cache"],
                   [["first (cold)", cold, hits[0]], ["repeat (prefix cached)", warm, hits[1]]],
@@ -697,17 +715,12 @@ def part_model(rep: Report, args, shape: str) -> None:
 
 
 def _sweep(rep: Report, args, core) -> None:
-    from replicas.engine import LLMEngine
-    from replicas.request import SamplingParams
-    from replicas.scheduler import SchedulerConfig
-
     graphs = core.runner.graphs
     t0 = time.perf_counter()
     if graphs is not None:
         for size in graphs.batch_sizes:
             graphs._capture(size)
     capture_s = time.perf_counter() - t0
-    vocab = core.model.config.vocab_size
     steps: list[tuple[int, int]] = []  # (sequences, tokens) of every forward
     execute = core.runner.execute
 
@@ -723,42 +736,57 @@ def _sweep(rep: Report, args, core) -> None:
             if rep.left() < max(30.0, 4.5 * last_s):
                 rows.append([c] + [float("nan")] * 7 + ["skipped: time budget"])
                 continue
-            engine = LLMEngine(core, SchedulerConfig(256, 8192, True))
-            params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-            stamps: dict[str, list[float]] = {}
-            step_ms: list[float] = []
-            steps.clear()
-            sync()
-            t_start = time.perf_counter()
-            for i in range(c):
-                engine.add_request(f"c{c}-{i}", random_prompt(vocab, S.sweep_prompt, 10_000 * c + i), params)
-            while engine.has_unfinished():
-                a = time.perf_counter()
-                out = engine.step()
-                now = time.perf_counter()
-                step_ms.append((now - a) * 1e3)
-                for chunk in out:
-                    stamps.setdefault(chunk.request_id, []).append(now)
-            dur = time.perf_counter() - t_start
-            last_s = dur
-            itl = [(b - a) * 1e3 for s in stamps.values() for a, b in zip(s, s[1:], strict=False)]
-            full = [ms for ms, (b, t) in zip(step_ms, steps, strict=False) if b == c and t == c]
-            step = statistics.median(full) if full else float("nan")
-            floor = decode_step_floor(core.model, c, S.sweep_prompt + args.new_tokens // 2, args)
-            itl.sort()
-            p99 = itl[min(len(itl) - 1, int(0.99 * len(itl)))] if itl else float("nan")
-            rows.append([c, c * args.new_tokens / dur, statistics.median(itl) if itl else float("nan"), p99, step,
-                         floor, floor / step if full else float("nan"), dur, ""])
-            assert core.allocator.num_free == core.allocator.num_blocks
+            try:
+                rows.append(_sweep_one(core, c, args, steps))
+            except Exception as exc:  # noqa: BLE001 - reported; larger concurrencies would fail the same way
+                rep.error(f"sweep c={c}", exc)
+                rows.append([c] + [float("nan")] * 7 + [f"failed: {type(exc).__name__}"])
+                break
+            last_s = rows[-1][7]
     finally:
         core.runner.execute = execute
+    failed = sorted(graphs._failed) if graphs else None
     rep.table("Standard lane, gpt-oss-120b (random weights): random 1,024-token prompts, 128 new tokens, greedy",
               ["concurrency", "output tok/s", "ITL median ms", "ITL p99 ms", "decode step ms (all c)",
                "step floor ms", "of floor", "wall s", "note"], rows,
               f"All requests added at once; chunked prefill (8,192 tokens per step) mixed with decodes; decode "
               f"steps replay CUDA graphs (buckets {graphs.batch_sizes if graphs else None}, captured up front in "
-              f"{capture_s:.0f} s; failed to capture: {sorted(graphs._failed) if graphs else None}). Step floor: dense weights + the expected distinct experts of c tokens (uniform "
-              f"routing) + the KV at the mean context, at {args.bandwidth_tbps} TB/s.")
+              f"{capture_s:.0f} s; failed to capture: {failed}). Step floor: dense weights + the expected distinct "
+              f"experts of c tokens (uniform routing) + the KV at the mean context, at {args.bandwidth_tbps} TB/s.")
+
+
+def _sweep_one(core, c: int, args, steps: list) -> list:
+    """One concurrency of the standard-lane sweep; returns its table row."""
+    from replicas.engine import LLMEngine
+    from replicas.request import SamplingParams
+    from replicas.scheduler import SchedulerConfig
+
+    vocab = core.model.config.vocab_size
+    engine = LLMEngine(core, SchedulerConfig(256, 8192, True))
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    stamps: dict[str, list[float]] = {}
+    step_ms: list[float] = []
+    steps.clear()
+    sync()
+    t_start = time.perf_counter()
+    for i in range(c):
+        engine.add_request(f"c{c}-{i}", random_prompt(vocab, S.sweep_prompt, 10_000 * c + i), params)
+    while engine.has_unfinished():
+        a = time.perf_counter()
+        out = engine.step()
+        now = time.perf_counter()
+        step_ms.append((now - a) * 1e3)
+        for chunk in out:
+            stamps.setdefault(chunk.request_id, []).append(now)
+    dur = time.perf_counter() - t_start
+    itl = sorted((b - a) * 1e3 for s in stamps.values() for a, b in zip(s, s[1:], strict=False))
+    full = [ms for ms, (b, t) in zip(step_ms, steps, strict=False) if b == c and t == c]
+    step = statistics.median(full) if full else float("nan")
+    floor = decode_step_floor(core.model, c, S.sweep_prompt + args.new_tokens // 2, args)
+    p99 = itl[min(len(itl) - 1, int(0.99 * len(itl)))] if itl else float("nan")
+    assert core.allocator.num_free == core.allocator.num_blocks
+    return [c, c * args.new_tokens / dur, statistics.median(itl) if itl else float("nan"), p99, step, floor,
+            floor / step if full else float("nan"), dur, ""]
 
 
 # ------------------------------------------------------------------------------------------- tiles
