@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from replicas.kernels import mxfp4_decode_layout as layout
 
@@ -280,6 +281,25 @@ def _down_kernel(h_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start
     tl.store(y_ptr + pair[:, None] * N + n[None, :], acc * rw[:, None], mask=r_ok[:, None] & n_ok[None, :])
 
 
+_ONE_STAGE: set[tuple[str, int]] = set()
+"""(kernel, BLOCK_M) whose tile did not fit the GPU's shared memory with :class:`TileConfig`'s stages: launched
+with one stage from then on."""
+
+
+def _launch(kernel, grid, args: tuple, block_m: int, cfg: TileConfig, **meta) -> None:
+    """``kernel[grid](*args, **meta)`` with ``cfg``'s warps and stages; a tile that runs out of shared memory
+    (``OutOfResources`` at compile time) is retried, and then always run, without software pipelining."""
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), block_m)
+    stages = 1 if key in _ONE_STAGE else cfg.num_stages
+    try:
+        kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=stages)
+    except OutOfResources:
+        if stages == 1:
+            raise
+        _ONE_STAGE.add(key)
+        kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=1)
+
+
 def _words(blocks: torch.Tensor) -> torch.Tensor:
     if blocks.dtype != torch.uint8 or blocks.shape[-1] != 16 or not blocks.is_contiguous():
         raise ValueError(f"expected contiguous uint8 MXFP4 blocks [E, rows, G, 16], got {blocks.dtype} "
@@ -328,16 +348,16 @@ def grouped_moe_partials(
     cfg = tile_config(block_m)
     precision = "ieee" if x.dtype == torch.float32 else None
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(g.max_blocks, triton.cdiv(two_i, cfg.block_n))](
-        x, g.order, g.block_expert, g.block_row, g.expert_start, gu_words, gate_up_scales, gate_up_bias, h,
-        float(alpha), float(limit), x.stride(0), two_i, num_experts, TOP_K=top_k, KDIM=hidden,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, REPACKED=repacked, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _down_kernel[(g.max_blocks, triton.cdiv(hidden, cfg.block_n))](
-        h, g.order, g.block_expert, g.block_row, g.expert_start, d_words, down_scales, down_bias,
-        weights.reshape(-1).contiguous(), y, hidden, num_experts, KDIM=inter, BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, REPACKED=repacked, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _launch(_gate_up_kernel, (g.max_blocks, triton.cdiv(two_i, cfg.block_n)),
+            (x, g.order, g.block_expert, g.block_row, g.expert_start, gu_words, gate_up_scales, gate_up_bias, h,
+             float(alpha), float(limit), x.stride(0), two_i, num_experts), block_m, cfg,
+            TOP_K=top_k, KDIM=hidden, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            REPACKED=repacked, PRECISION=precision)
+    _launch(_down_kernel, (g.max_blocks, triton.cdiv(hidden, cfg.block_n)),
+            (h, g.order, g.block_expert, g.block_row, g.expert_start, d_words, down_scales, down_bias,
+             weights.reshape(-1).contiguous(), y, hidden, num_experts), block_m, cfg,
+            KDIM=inter, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, REPACKED=repacked,
+            PRECISION=precision)
     return y
 
 

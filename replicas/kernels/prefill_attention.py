@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 PAGE = 16
 """Tokens per KV page (the cache geometry of :mod:`replicas.kernels.paged_attention`)."""
@@ -247,18 +248,28 @@ def triton_prefill_attention(
         return out
     if query.stride(-1) != 1 or key_plane.stride(-1) != 1 or value_plane.stride(-1) != 1:
         raise ValueError("prefill attention needs the head dim contiguous in query and the cache planes")
-    _prefill_attention_kernel[(num_tiles, kvh)](
-        query, key_plane, value_plane, out, sinks if sinks is not None else query, query_start, context_lens,
-        block_tables, tiles[0], tiles[1], scale * LOG2E, sliding_window or 0,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_plane.stride(0), key_plane.stride(1), key_plane.stride(2),
-        value_plane.stride(0), value_plane.stride(1), value_plane.stride(2), block_tables.stride(0),
-        G=group, GP=gp, BLOCK_T=block_t, BLOCK_N=CONFIG_OVERRIDES.get("BLOCK_N", BLOCK_N), D=head_dim, PAGE=PAGE,
-        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
-        PRECISION="ieee" if query.dtype == torch.float32 else None,
-        num_warps=CONFIG_OVERRIDES.get("num_warps", NUM_WARPS), num_stages=CONFIG_OVERRIDES.get("num_stages", NUM_STAGES),
-    )
+    args = (query, key_plane, value_plane, out, sinks if sinks is not None else query, query_start, context_lens,
+            block_tables, tiles[0], tiles[1], scale * LOG2E, sliding_window or 0,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            key_plane.stride(0), key_plane.stride(1), key_plane.stride(2),
+            value_plane.stride(0), value_plane.stride(1), value_plane.stride(2), block_tables.stride(0))
+    meta = dict(G=group, GP=gp, BLOCK_T=block_t, BLOCK_N=CONFIG_OVERRIDES.get("BLOCK_N", BLOCK_N), D=head_dim,
+                PAGE=PAGE, HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
+                PRECISION="ieee" if query.dtype == torch.float32 else None,
+                num_warps=CONFIG_OVERRIDES.get("num_warps", NUM_WARPS))
+    stages = 1 if _ONE_STAGE else CONFIG_OVERRIDES.get("num_stages", NUM_STAGES)
+    try:
+        _prefill_attention_kernel[(num_tiles, kvh)](*args, **meta, num_stages=stages)
+    except OutOfResources:  # the tile does not fit the GPU's shared memory pipelined: run it in one stage
+        if stages == 1:
+            raise
+        _ONE_STAGE.append(True)
+        _prefill_attention_kernel[(num_tiles, kvh)](*args, **meta, num_stages=1)
     return out
+
+
+_ONE_STAGE: list[bool] = []
+"""Non-empty once a launch ran out of shared memory with :data:`NUM_STAGES`: one stage from then on."""
 
 
 def attention_flops(q_lens: list[int], context_lens: list[int], num_heads: int, head_dim: int,
