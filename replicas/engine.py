@@ -13,6 +13,7 @@ import torch
 
 from replicas.config import EngineConfig
 from replicas.detokenizer import IncrementalDetokenizer
+from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.kv_cache import KVCache, PageAllocator
 from replicas.messages import GenerationChunk, TokenLogprobs
 from replicas.model_runner import ModelRunner
@@ -39,7 +40,9 @@ class EngineCore:
     @classmethod
     def load(cls, config: EngineConfig, enable_prefix_caching: bool | None = None) -> EngineCore:
         """Resolve (and convert once) the model, load its weights (or random ones with ``load_format=dummy``),
-        resolve its kernels, then :meth:`build`.
+        resolve its kernels, then :meth:`build`. ``enable_prefix_caching`` overrides
+        ``config.enable_prefix_caching`` (a persistent replica turns it off for the mk1 backend, as MK1
+        requires).
 
         Raises:
             ModelNotFoundError: the model cannot be found.
@@ -91,7 +94,9 @@ class EngineCore:
         return cls(
             config=config, model=model, tokenizer=tokenizer, kv_cache=kv,
             allocator=PageAllocator(kv.num_blocks, enable_prefix_caching=enable_prefix_caching),
-            runner=ModelRunner(model, kv.planes(), device, graphs=decode_graphs(config, model, kv, device)),
+            runner=ModelRunner(model, kv.planes(), device, graphs=decode_graphs(config, model, kv, device),
+                               inputs=step_inputs(config, device),
+                               kernels=bool(getattr(getattr(model, "ops", None), "prefill_kernels", False))),
             eos_token_ids=eos_token_ids,
         )
 
@@ -235,7 +240,7 @@ class LLMEngine:
                 rows.append(self._sampling_row(self._tracked[req.request_id]))
         if not sampled:
             return []
-        out = sample_rows(logits[sampled], rows)
+        out = sample_rows(logits if len(sampled) == len(batch) else logits[sampled], rows)  # pure decode: no gather
         chunks = []
         for j, i in enumerate(sampled):
             tracked = self._tracked[batch[i][0].request_id]
@@ -289,3 +294,11 @@ def decode_graphs(config: EngineConfig, model, kv, device):
     sizes = tuple(b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs) or (1,)
     graphs = DecodeGraphs(model, kv.planes(), device, config.max_model_len, sizes)
     return graphs if graphs.batch_sizes else None
+
+
+def step_inputs(config: EngineConfig, device):
+    """The model runner's persistent step buffers (:class:`~replicas.step_inputs.StepInputs`) for this engine:
+    block tables as wide as ``max_model_len`` (the decode graphs' width), rows for twice ``max_num_seqs``."""
+    from replicas.step_inputs import StepInputs
+
+    return StepInputs(device, -(-config.max_model_len // PAGE_SIZE), max_rows=2 * config.max_num_seqs + 8)

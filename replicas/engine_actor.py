@@ -25,7 +25,7 @@ from replicas.engine import EngineCore, LLMEngine
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
 from replicas.persistent.checkpoint import CheckpointError
 from replicas.persistent.contract import PersistentDecoderError
-from replicas.persistent.factory import create_backend
+from replicas.persistent.factory import backend_takes_cached_pages, create_backend
 from replicas.persistent.faults import FaultInjection, with_faults
 from replicas.persistent.lane import PersistentLane
 
@@ -92,8 +92,10 @@ class EngineActor:
             raise ValueError(f"lane must be 'standard' or 'persistent', got {lane!r}")
         self.lane_name = lane
         self.mode = Mode.parse(mode)
-        # the persistent lane runs without prefix caching (MK1's envelope requires it off)
-        self.core = EngineCore.load(config, enable_prefix_caching=None if lane == "standard" else False)
+        # the persistent lane shares prefix-cached pages where its backend takes them (not mk1: MK1's envelope
+        # requires prefix caching off)
+        prefix = config.enable_prefix_caching and (lane == "standard" or backend_takes_cached_pages(backend))
+        self.core = EngineCore.load(config, enable_prefix_caching=prefix)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self.persistent: PersistentLane | None = None
@@ -152,12 +154,14 @@ class EngineActor:
 
         cfg = self.core.config
         out = {"load_format": cfg.load_format, "dtype": str(cfg.resolved_dtype()).removeprefix("torch."),
-               "device": str(cfg.resolved_device()), **self.core.describe_kernels()}
+               "device": str(cfg.resolved_device()), "prefix_caching": self.core.allocator.enable_prefix_caching,
+               **self.core.describe_kernels()}
         if self.persistent is not None:
             backend = self.persistent.backend
             out["persistent_backend"] = backend_name
             out["pipeline_quanta"] = bool(cfg.pipeline_quanta and isinstance(backend, PipelinedBackend))
             out["fused_greedy_epilogue"] = bool(getattr(backend, "fused_epilogue", False))
+            out["prefix_caching"] = self.persistent.prefix_caching
         return out
 
     def _stats(self) -> dict:

@@ -275,9 +275,14 @@ class GptOssForCausalLM(nn.Module):
     uses_moe = True
     """The model has experts: its :class:`DecodeOps` are built with a MoE backend."""
 
-    max_decode_graph_batch = DECODE_MAX_TOKENS
-    """Standard-lane decode CUDA graphs up to ``DECODE_MAX_TOKENS`` sequences: above it the MoE
-    dequantizes the routed experts (a host sync, not capturable)."""
+    @property
+    def max_decode_graph_batch(self) -> int | None:
+        """Largest standard-lane decode CUDA-graph batch: no limit when the MoE's prefill path is the grouped
+        GEMMs (capturable at any batch, :attr:`~replicas.kernels.moe.MoE.capturable_at_any_batch`), else
+        :data:`~replicas.kernels.moe.DECODE_MAX_TOKENS` (above it the experts are dequantized: a host
+        sync, not capturable)."""
+        moe = self.ops.moe
+        return None if moe is not None and moe.capturable_at_any_batch else DECODE_MAX_TOKENS
 
     def use_ops(self, ops: DecodeOps) -> GptOssForCausalLM:
         """Run on ``ops`` (resolved once at load by :func:`replicas.models.registry.load_model`): every layer's

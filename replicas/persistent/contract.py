@@ -231,6 +231,10 @@ class PersistentBackend(abc.ABC):
     name: str = "abstract"
     checks_stop_set_on_device: bool = True
     """True when every stop id is checked inside the quantum (not only one EOS id)."""
+    takes_cached_pages: bool = True
+    """True when a request may start from KV pages an earlier request computed (the lane's prefix cache:
+    the first pages of ``full_block_map`` are then shared, read-only pages); False keeps prefix caching off
+    for the lane (MK1's envelope requires it off)."""
 
     @abc.abstractmethod
     def bind_cache(self, binding: CacheBinding) -> None:

@@ -56,6 +56,7 @@ class FaultInjectingBackend(PersistentBackend):
         self.spec = spec
         self.name = inner.name
         self.checks_stop_set_on_device = inner.checks_stop_set_on_device
+        self.takes_cached_pages = inner.takes_cached_pages
         self.quanta_seen = 0
 
     def bind_cache(self, binding: CacheBinding) -> None:

@@ -337,6 +337,8 @@ class MK1Backend(PersistentBackend):
     name = "mk1"
     checks_stop_set_on_device = False
     """MK1 stops on one eos id only: with several stop ids the lane runs quanta of 1."""
+    takes_cached_pages = False
+    """MK1's envelope requires prefix caching off (``envelope_reasons``): the lane never shares pages with it."""
 
     def __init__(self, envelope: Mk1Envelope, checkpoint: str | Path, model_config, mode: str = "required"):
         if mode not in MK1_MODES:
