@@ -1,6 +1,6 @@
 """Persistent-lane admission: the seed's rules, checked in the seed's order.
 
-Source: the seed's (aiter MK1 integration) admission rules, DESIGN.md "Admission".
+Source: the seed's (aiter MK1 integration) admission rules, docs/design.md "Admission".
 Pure: no torch, no ray.
 """
 
@@ -88,7 +88,7 @@ def check_admission(inp: AdmissionInput) -> Reason | None:
     """Return the first reason ``inp`` cannot run on the persistent lane, or None.
 
     Rules are checked in ``ADMISSION_ORDER`` (the seed's admission rules,
-    DESIGN.md "Admission"), so a request failing several reports the earliest.
+    docs/design.md "Admission"), so a request failing several reports the earliest.
 
     Args:
         inp: the request's admission facts (validated on construction).

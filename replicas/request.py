@@ -90,7 +90,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Greedy decoding: temperature ~0 or top_k == 1 (seed's rule, DESIGN.md)."""
+        """Greedy decoding: temperature ~0 or top_k == 1 (seed's rule, docs/design.md "Admission")."""
         return self.temperature <= 1e-5 or self.top_k == 1
 
 

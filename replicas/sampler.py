@@ -11,8 +11,8 @@ Pipeline (vLLM's order), per row, in :func:`sample_rows`:
    ``logprobs_mode="raw_logprobs"``); the sampled token's value plus the
    ``k = params.logprobs`` most likely ``(token_id, logprob)``.
 2. **bans**: ``banned_token_ids`` are set to ``-inf`` (the engine bans EOS and
-   stop ids while fewer than ``min_tokens`` were generated, see
-   :func:`min_tokens_banned_ids`), and so is every token outside
+   stop ids while fewer than ``min_tokens`` were generated:
+   :func:`replicas.stops.stop_token_set`), and so is every token outside
    ``allowed_token_mask`` (a structured output's grammar,
    :mod:`replicas.structured_output`).
 3. **repetition penalty** over prompt + output tokens (CTRL, Keskar et al.
@@ -53,24 +53,6 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     gen = torch.Generator(device=device)
     gen.manual_seed(params.seed)
     return gen
-
-
-def min_tokens_banned_ids(
-    params: SamplingParams, num_output_tokens: int, eos_token_ids: Iterable[int]
-) -> frozenset[int]:
-    """The ids to ban for the next token so that ``params.min_tokens`` holds.
-
-    While fewer than ``min_tokens`` tokens were generated, every token that
-    would end generation is banned: ``params.stop_token_ids`` and, unless
-    ``params.ignore_eos``, the model's EOS ids (vLLM's ``min_tokens`` rule).
-    Empty once ``num_output_tokens >= min_tokens``.
-    """
-    if num_output_tokens >= params.min_tokens:
-        return frozenset()
-    ids = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        ids.update(eos_token_ids)
-    return frozenset(ids)
 
 
 @dataclass

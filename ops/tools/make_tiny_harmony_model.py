@@ -262,7 +262,7 @@ def _shrink_experts(path: Path, seed: int) -> None:
     add little noise to the residual stream; stored MXFP4, so training sees exactly what is saved."""
     from safetensors.torch import load_file, save_file
 
-    from replicas.models.mxfp4 import quantize_mxfp4
+    from replicas.kernels.moe.mxfp4 import quantize_mxfp4
 
     gen = torch.Generator().manual_seed(seed + 1)
     tensors = load_file(path / "model.safetensors")

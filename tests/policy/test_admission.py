@@ -1,4 +1,4 @@
-"""Table tests for policy.admission and policy.reasons (seed's rules, DESIGN.md)."""
+"""Table tests for policy.admission and policy.reasons (seed's rules, docs/design.md "Admission")."""
 
 from __future__ import annotations
 
