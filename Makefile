@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 # On our CPU dev/CI machines `torch==2.13.0` is a local CPU build; elsewhere it is PyPI's build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-test install-lmeval serve test test-stress test-cluster test-lmeval lint
+.PHONY: install install-test install-lmeval serve test test-stress test-cluster test-lmeval test-gpu lint
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
@@ -34,6 +34,12 @@ test-cluster: install-test
 # lm-eval (GSM8K chat + completions, a loglikelihood task) against the app.
 test-lmeval: install-lmeval
 	$(PYTHON) -m pytest -q -m lmeval tests/lmeval
+
+# On a CUDA machine (not in CI: CI has no GPU): the GPU tests and the kernel tests on the device
+# (they run Triton's interpreter on CPU in `make test`). Installs nothing: a GPU box may have no network.
+test-gpu:
+	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no CUDA device here')"
+	$(PYTHON) -m pytest -q -o addopts="-ra" -m "not stress and not cluster" tests/gpu tests/replicas/kernels
 
 lint:
 	$(PYTHON) -m ruff check .

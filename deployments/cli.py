@@ -1,59 +1,89 @@
 """``persistent-serve`` command line: start the app on Ray Serve and block.
 
+Every field of the app config (:class:`deployments.config.AppConfig`), of its engine settings
+(:class:`replicas.config.EngineConfig`) and of its tracing settings
+(:class:`ops.telemetry.tracing.TracingConfig`, flags ``--tracing-*``) is a flag, with the field's
+description as its help and its allowed values as the choices: the config is the one source. Only the
+flags given are passed on, so the config's defaults apply to the rest. Booleans take ``--flag`` /
+``--no-flag``; dicts, lists and pool settings take JSON (``--moe-tiles '{"down_pairs": 1}'``).
+
 Example::
 
-    persistent-serve --persistent-decoder auto --model smollm2-135m-instruct
+    persistent-serve --persistent-decoder auto --model smollm2-135m-instruct --no-pipeline-quanta
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
+import json
 import sys
 import time
+import types
+import typing
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from deployments.config import AppConfig
+from ops.telemetry.tracing import TracingConfig
+from replicas.config import EngineConfig
+
+SKIPPED = ("engine", "tracing", "persistent_fault_injection")
+"""App config fields that are not flags: the two nested groups (their fields are flags themselves) and the
+tests-only fault injection."""
 
 
-def parse_args(argv: list[str] | None = None) -> dict:
-    """Parse CLI flags into ``build_app`` arguments (only the flags that were given)."""
+def _unwrap(annotation):
+    """``X | None`` → ``X``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], prefix: str = "",
+                skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of ``model`` (``--{prefix}{name}`` in kebab case, ``dest`` ``{prefix}{name}``)."""
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        dest = prefix + name
+        kwargs: dict = {"dest": dest, "help": field.description, "default": None}
+        ann = _unwrap(field.annotation)
+        if typing.get_origin(ann) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(ann))
+        elif isinstance(ann, type) and issubclass(ann, enum.Enum):
+            kwargs["choices"] = [m.value for m in ann]
+        elif ann is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif ann in (int, float, str):
+            kwargs["type"] = ann
+        else:  # dicts, tuples, nested models: JSON
+            kwargs["type"] = json.loads
+            kwargs["metavar"] = "JSON"
+        parser.add_argument("--" + dest.replace("_", "-"), **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's parser: the config's fields, plus ``--host``, ``--port`` and ``--metrics-export-port``."""
     p = argparse.ArgumentParser(
         prog="persistent-serve",
         description="Serve an OpenAI-compatible API on Ray Serve with persistent and standard lanes.",
     )
-    p.add_argument("--model", help="smollm2-135m-instruct (embedded, default), a .gguf file, or an HF checkpoint dir")
-    p.add_argument("--served-model-name", help="name clients send as `model` (default: --model)")
-    p.add_argument("--persistent-decoder", choices=["off", "auto", "required"],
-                   help="off: all standard; auto (default): eligible requests go persistent; "
-                        "required: refuse to start without a working persistent decoder")
-    p.add_argument("--persistent-decoder-checkpoint", metavar="DIR",
-                   help="persistent-decoder checkpoint directory (manifest + safetensors)")
-    p.add_argument("--persistent-backend", choices=["auto", "eager", "cuda_graph", "mk1"],
-                   help="persistent backend (default auto; mk1 needs AMD aiter on an MI355X)")
-    p.add_argument("--num-persistent-replicas", type=int, help="persistent-lane replicas (default 1)")
-    p.add_argument("--num-standard-replicas", type=int, help="standard-lane replicas (default 1)")
-    p.add_argument("--spillover-wait-s", type=float,
-                   help="seconds an eligible request waits for a busy persistent pool before going standard "
-                        "(default 0.5)")
-    p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
-    p.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens (default 2048)")
-    p.add_argument("--num-kv-blocks", type=int, help="KV pages of 16 tokens per replica (default 4 x max-model-len)")
-    p.add_argument("--tracing-exporter", choices=["console", "otlp", "none"],
-                   help="OpenTelemetry exporter (default: $OTEL_TRACES_EXPORTER or none)")
-    p.add_argument("--tracing-endpoint", help="OTLP endpoint (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
-    p.add_argument("--tracing-protocol", choices=["http/protobuf", "grpc"],
-                   help="OTLP transport (default: $OTEL_EXPORTER_OTLP_PROTOCOL or http/protobuf)")
-    p.add_argument("--tracing-service-name", help="service.name of every span (default: persistent-serve)")
-    p.add_argument("--tracing-sample-ratio", type=float,
-                   help="fraction of traces exported; fallback traces always are (default: $OTEL_TRACES_SAMPLER_ARG or 1)")
+    _add_fields(p, AppConfig, skip=SKIPPED)
+    _add_fields(p, EngineConfig)
+    _add_fields(p, TracingConfig, prefix="tracing_")
     p.add_argument("--metrics-export-port", type=int,
                    help="start Ray with its Prometheus endpoint on this port (http://HOST:PORT/metrics)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    ns = vars(p.parse_args(argv))
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> dict:
+    """Parse CLI flags into ``build_app`` arguments (only the flags that were given)."""
+    ns = vars(build_parser().parse_args(argv))
     return {k: v for k, v in ns.items() if v is not None}
 
 

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.chat_plan import ChatPlanner
 from deployments.config import AppConfig
 from deployments.openai_format import (
     ChatFormat,
@@ -45,13 +46,13 @@ from deployments.protocol import (
     validation_error,
 )
 from deployments.replicas import engine_actor_stats
+from deployments.responses_api import ResponsesRequest, serve_responses
 from deployments.router import Router
 from deployments.tokenize_api import (
     DetokenizeRequest,
     TokenizeRequest,
     check_token_ids,
     detokenize,
-    encode_chat,
     encode_prompt,
     tokenize,
     tokenizer_info,
@@ -158,8 +159,10 @@ class OpenAIIngress:
         self.config = config
         self.model_name = config.engine.name
         self.max_model_len = config.engine.max_model_len
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.engine.model, progress=False))
+        model_dir = resolve_model(config.engine.model, progress=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.token_text = TokenText(self.tokenizer)
+        self.chat_planner = ChatPlanner(self.tokenizer, model_dir, config.harmony_start_date)
         self.router = Router(
             config.persistent_decoder, persistent if config.persistent_enabled else None, standard,
             self.max_model_len, config.spillover_wait_s,
@@ -190,12 +193,18 @@ class OpenAIIngress:
         if self.router.persistent is not None:
             out["persistent"] = _pool_totals(await engine_actor_stats("persistent", self.app_name))
         out["router"] = self.router.stats()
+        out["ingress"] = self.chat_planner.describe()
         return out
 
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_common(body)
-        return await self._serve(body, [(encode_chat(self.tokenizer, body.messages), "")], chat=True, http=request)
+        plan = self.chat_planner.plan(body)
+        return await self._serve(body, plan.token_ids, chat=True, http=request, plan=plan)
+
+    @api.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest, request: Request):
+        return await serve_responses(self, body, request)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
@@ -209,7 +218,8 @@ class OpenAIIngress:
                 check_token_ids(self.tokenizer, ids, "prompt")
                 echo = self.tokenizer.decode(ids) if body.echo else ""
             prompts.append((ids, echo if body.echo else ""))
-        return await self._serve(body, prompts, chat=False, http=request)
+        return await self._serve(body, prompts[0][0], chat=False, echo=prompts[0][1], http=request,
+                                 prompts=prompts if len(prompts) > 1 else None)
 
     @api.get("/tokenizer_info")
     async def tokenizer_info(self):
@@ -219,6 +229,10 @@ class OpenAIIngress:
     @api.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
         self._check_model(body.model)
+        if body.messages is not None and body.prompt is None and self.chat_planner.harmony:
+            ids = self.chat_planner.plan_harmony([m.model_dump(exclude_none=True) for m in body.messages],
+                                                 None, None, None, None, None).token_ids
+            return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
         return tokenize(self.tokenizer, body, self.max_model_len)
 
     @api.post("/detokenize")
@@ -236,7 +250,7 @@ class OpenAIIngress:
         self._check_model(body.model)
         body.check()
 
-    def _request(self, body, ids: list[int]) -> GenerateRequest:
+    def _request(self, body, ids: list[int], plan=None) -> GenerateRequest:
         """One engine request for all ``n`` choices (the engine derives per-choice seeds)."""
         if not ids:
             raise OpenAIError("the prompt is empty", param="prompt")
@@ -254,7 +268,8 @@ class OpenAIIngress:
                 "the prompt or the completion length.",
                 param="max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens",
                 code="context_length_exceeded")
-        return GenerateRequest(new_id("req"), ids, body.sampling_params(limit or body.default_output_limit(room)))
+        params = body.sampling_params(limit or body.default_output_limit(room))
+        return GenerateRequest(new_id("req"), ids, plan.apply(params) if plan is not None else params)
 
     @staticmethod
     def _lane_override(http: Request | None) -> str | None:
@@ -289,10 +304,13 @@ class OpenAIIngress:
             context=extract_context(dict(http.headers)) if http is not None else None,
             attributes={"http.request.method": "POST", "url.path": path, **attributes}), True
 
-    async def _serve(self, body, prompts: list[tuple[list[int], str]], chat: bool, http: Request | None = None):
-        """Serve ``prompts`` (``(token ids, echo text)`` each; chat has one) as one response: one engine request
-        per prompt, run at once, ``body.n`` choices each. Errors before the first item of every prompt are
-        HTTP errors; ``x-lane`` names the lane that served (``a,b`` when the prompts went to different lanes)."""
+    async def _serve(self, body, ids: list[int], chat: bool, echo: str = "", http: Request | None = None,
+                     plan=None, fmt=None, prompts: list[tuple[list[int], str]] | None = None):
+        """Run one request and answer it; ``plan`` (chat) adds stop tokens and a grammar, ``fmt`` replaces the
+        response formatter (the Responses API's). ``prompts`` (completions with several prompts): ``(token ids,
+        echo text)`` per prompt instead of ``ids``/``echo``, one engine request each, run at once, ``body.n``
+        choices each (choice ``p * n + i``). Errors before every prompt's first item are HTTP errors;
+        ``x-lane`` names the lane that served (``a,b`` when the prompts went to different lanes)."""
         from opentelemetry import trace
         from opentelemetry.trace import Status, StatusCode
 
@@ -300,11 +318,12 @@ class OpenAIIngress:
         span, owned = self._http_span(http, body, chat)
         try:
             override = self._lane_override(http)
-            requests = [self._request(body, ids) for ids, _ in prompts]
+            prompts = prompts or [(ids, echo)]
+            requests = [self._request(body, p_ids, plan) for p_ids, _ in prompts]
             for g in requests:
                 g.lane_override = override
             span.set_attributes({ATTR_REQUEST_ID: ",".join(g.request_id for g in requests),
-                                 ATTR_GEN_AI_INPUT_TOKENS: sum(len(ids) for ids, _ in prompts),
+                                 ATTR_GEN_AI_INPUT_TOKENS: sum(len(p_ids) for p_ids, _ in prompts),
                                  ATTR_GEN_AI_MAX_TOKENS: requests[0].params.max_tokens})
             context = trace.set_span_in_context(span)
             streams = [self.router.generate(g, context, arrival) for g in requests]
@@ -331,14 +350,18 @@ class OpenAIIngress:
         lanes = list(dict.fromkeys(h.lane for h in sorted(heads, key=lambda h: h.index)))
         headers = {"x-lane": ",".join(lanes)}
         logprobs = requests[0].params.logprobs is not None
-        fmt = (ChatFormat(self.model_name, self.token_text, logprobs) if chat
-               else CompletionFormat(self.model_name, self.token_text, logprobs, [e for _, e in prompts], body.n,
-                                     [ids for ids, _ in prompts]))
+        if fmt is None and plan is not None:
+            fmt = self.chat_planner.formatter(plan, self.model_name, self.token_text, logprobs)
+        elif fmt is None:
+            fmt = (ChatFormat(self.model_name, self.token_text, logprobs) if chat
+                   else CompletionFormat(self.model_name, self.token_text, logprobs, [e for _, e in prompts], body.n,
+                                         [p_ids for p_ids, _ in prompts]))
         first, rest = heads[0], _prepend(heads[1:], stream)
+        batched = {"num_prompts": len(prompts)} if len(prompts) > 1 else {}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                fmt.sse(first, rest, body.n, include_usage, len(prompts)), media_type="text/event-stream",
+                fmt.sse(first, rest, body.n, include_usage, **batched), media_type="text/event-stream",
                 headers=headers,
             )
-        return JSONResponse(await fmt.collect(first, rest, body.n, len(prompts)), headers=headers)
+        return JSONResponse(await fmt.collect(first, rest, body.n, **batched), headers=headers)

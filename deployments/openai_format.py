@@ -113,6 +113,7 @@ class _Choice:
 
     def __init__(self, index: int = 0):
         self.index = index
+        self.prompt_head: dict | None = None
         self.text = ""
         self.finish: str | None = None
         self.completion_tokens = 0
@@ -144,20 +145,21 @@ class _Format:
         return {"id": self.id, "object": self.chunk_object_name if chunk else self.object_name,
                 "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def _update(self, choices: list[_Choice], item: GenerationChunk) -> tuple[_Choice, dict | None, dict | None]:
-        """Fold ``item`` into its choice; return the choice, the logprobs of ``item``'s tokens, and the prompt's
-        logprobs when ``item`` brings them (echo with logprobs), else None."""
+    def _update(self, choices: list[_Choice], item: GenerationChunk) -> tuple[_Choice, dict | None]:
+        """Fold ``item`` into its choice; return the choice and the logprobs of ``item``'s tokens. When ``item``
+        brings the prompt's logprobs (echo with logprobs) they go first in the choice's logprobs and, for
+        streaming, into ``choice.prompt_head``."""
         if not 0 <= item.index < len(choices):
             raise OpenAIError(f"engine returned choice index {item.index} for {len(choices)} choices",
                               status=500, type_="server_error", code="engine_error")
         c = choices[item.index]
-        part = head = None
+        part = None
         if self.want_logprobs:
             if item.prompt_logprobs is not None and not c.prompt_logprobs_seen:
                 c.prompt_logprobs_seen = True
-                head = self.prompt_logprobs_part(item.index, item.prompt_logprobs)
-                if head is not None:
-                    c.logprobs = {k: list(v) for k, v in head.items()}
+                c.prompt_head = self.prompt_logprobs_part(item.index, item.prompt_logprobs)
+                if c.prompt_head is not None:
+                    c.logprobs = {k: list(v) for k, v in c.prompt_head.items()}
             part = self.logprobs_part(item.logprobs or [], self.text_offset(c))
             if c.logprobs is None:
                 c.logprobs = {k: [] for k in part}
@@ -168,7 +170,7 @@ class _Format:
         c.prompt_tokens = max(c.prompt_tokens, item.num_prompt_tokens)
         if item.finish_reason:
             c.finish = _finish(item.finish_reason)
-        return c, part, head
+        return c, part
 
     @staticmethod
     def _usage(choices: list[_Choice], n: int) -> dict:
@@ -176,9 +178,15 @@ class _Format:
         prompts = sum(max(c.prompt_tokens for c in choices[p:p + n]) for p in range(0, len(choices), n))
         return _usage(prompts, sum(c.completion_tokens for c in choices))
 
+    def _choices(self, count: int) -> list[_Choice]:
+        choices = [self.new_choice() for _ in range(count)]
+        for i, c in enumerate(choices):
+            c.index = i
+        return choices
+
     async def collect(self, first, rest, n: int, num_prompts: int = 1) -> dict:
         """The non-streaming response body: ``n`` choices per prompt."""
-        choices = [_Choice(i) for i in range(n * num_prompts)]
+        choices = self._choices(n * num_prompts)
         try:
             async for item in _chain(first, rest):
                 if isinstance(item, GenerationError):
@@ -193,7 +201,7 @@ class _Format:
 
     async def sse(self, first, rest, n: int, include_usage: bool, num_prompts: int = 1) -> AsyncIterator[str]:
         """The streaming response: SSE chunks, then the usage chunk if asked, then ``[DONE]``."""
-        choices = [_Choice(i) for i in range(n * num_prompts)]
+        choices = self._choices(n * num_prompts)
         extra = {"usage": None} if include_usage else {}
         try:
             for i in range(n * num_prompts):
@@ -203,12 +211,13 @@ class _Format:
                 if isinstance(item, GenerationError):
                     yield sse(to_http(item).body())
                     break
-                c, part, head = self._update(choices, item)
-                if head is not None:
+                c, part = self._update(choices, item)
+                if c.prompt_head is not None:  # echo with logprobs: the prompt's text and logprobs first
+                    head, c.prompt_head = c.prompt_head, None
                     yield sse(self._envelope([self.prompt_delta(item.index, head)], chunk=True, **extra))
-                finish = _finish(item.finish_reason)
-                if item.text or finish or (part and item.token_ids):
-                    yield sse(self._envelope([self.delta(item.index, item.text, finish, part)], chunk=True, **extra))
+                event = self.event(c, item, _finish(item.finish_reason), part)
+                if event is not None:
+                    yield sse(self._envelope([event], chunk=True, **extra))
             if include_usage:
                 yield sse(self._envelope([], chunk=True, usage=self._usage(choices, n)))
             yield "data: [DONE]\n\n"
@@ -216,6 +225,15 @@ class _Format:
             await rest.aclose()
 
     # ---- per-format pieces -------------------------------------------------------------------
+    def new_choice(self) -> _Choice:
+        return _Choice()
+
+    def event(self, c: _Choice, item: GenerationChunk, finish: str | None, part: dict | None) -> dict | None:
+        """The SSE choice for ``item`` (already folded into ``c``), or None when it adds nothing."""
+        if item.text or finish or (part and item.token_ids):
+            return self.delta(item.index, item.text, finish, part)
+        return None
+
     def text_offset(self, c: _Choice) -> int:
         return len(c.text)
 

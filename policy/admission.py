@@ -1,9 +1,9 @@
 """Persistent-lane admission: the seed's rules, checked in the seed's order.
 
-Source: the seed's (aiter MK1 integration) admission rules, DESIGN.md "Admission".
+Source: the seed's (aiter MK1 integration) admission rules, docs/design.md "Admission".
 Where our lane does more than the seed's (stop strings checked on the host after
 each quantum, proven token- and text-identical to the standard lane by
-``tests/replicas/test_stop_strings_lanes.py``), the rule is kept behind a flag
+``tests/replicas/persistent/test_host_checks.py``), the rule is kept behind a flag
 that says so (``host_checks_stop_strings``). Pure: no torch, no ray.
 """
 
@@ -38,6 +38,8 @@ class AdmissionInput:
             plain on-device argmax would pick other tokens. (``min_tokens``
             bans are not counted: our lane applies them on the host, by
             recomputing the one position where a banned token came out.)
+        has_structured_output: the output is constrained by a grammar (a JSON schema's token mask,
+            applied by the standard lane's sampler every token).
         has_stop_strings: the request has stop strings.
         host_checks_stop_strings: the persistent lane checks stop strings on
             the host after each quantum and cuts the output there (ours does:
@@ -65,6 +67,7 @@ class AdmissionInput:
     top_k: int | None = None
     logprobs: bool = False
     has_logits_processing: bool = False
+    has_structured_output: bool = False
     has_stop_strings: bool = False
     host_checks_stop_strings: bool = True
     has_stop_token_sequences: bool = False
@@ -95,7 +98,7 @@ def check_admission(inp: AdmissionInput) -> Reason | None:
     """Return the first reason ``inp`` cannot run on the persistent lane, or None.
 
     Rules are checked in ``ADMISSION_ORDER`` (the seed's admission rules,
-    DESIGN.md "Admission"), so a request failing several reports the earliest.
+    docs/design.md "Admission"), so a request failing several reports the earliest.
 
     Args:
         inp: the request's admission facts (validated on construction).
@@ -112,6 +115,7 @@ def check_admission(inp: AdmissionInput) -> Reason | None:
         (not inp.is_greedy, Reason.NON_GREEDY),
         (inp.logprobs, Reason.LOGPROBS),
         (inp.has_logits_processing, Reason.LOGITS_PROCESSING),
+        (inp.has_structured_output, Reason.STRUCTURED_OUTPUT),
         (inp.has_stop_strings and not inp.host_checks_stop_strings, Reason.STOP_STRINGS),
         (inp.has_stop_token_sequences, Reason.STOP_TOKEN_SEQUENCES),
         (inp.kv_transfer, Reason.KV_TRANSFER),

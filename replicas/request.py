@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from replicas.structured_output import StructuredOutput
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -40,6 +42,8 @@ class SamplingParams:
         prompt_logprobs: None, or k >= 0 to return each prompt token's
             log-probability (given the tokens before it) plus the k most likely
             tokens' at that position; the first prompt token has none.
+        structured_output: a grammar the output must match (``response_format``; the
+            standard lane masks the logits with it every token), or None.
     """
 
     max_tokens: int = 16
@@ -59,6 +63,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -95,7 +100,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Greedy decoding: temperature ~0 or top_k == 1 (seed's rule, DESIGN.md)."""
+        """Greedy decoding: temperature ~0 or top_k == 1 (seed's rule, docs/design.md "Admission")."""
         return self.temperature <= 1e-5 or self.top_k == 1
 
 
