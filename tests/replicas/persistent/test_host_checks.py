@@ -193,3 +193,33 @@ def test_both_lanes_give_identical_tokens_with_min_tokens(core, tokenizer):
         assert lane.healthy and not getattr(lane.backend, "_in_flight", None)
         assert lane.min_tokens_recomputes >= 2  # the ban really changed tokens the device picked
     assert len(tokens_of(standard["s2"])) >= 13 and not set(tokens_of(standard["s2"])[:13]) & core.eos_token_ids
+
+
+def test_a_cut_quantum_registers_only_the_kept_tokens_pages(core, tokenizer):
+    """Prefix caching on the persistent lane: a request cut by a stop string mid-quantum registers its pages
+    below the last kept token only (the dropped tokens' KV is never cached), so the next turn, which finds
+    the kept reply in the cache, decodes what an uncached lane decodes."""
+    from tests.replicas.conftest import chat_ids, greedy_request, small_core
+
+    def lane(prefix_caching: bool) -> PersistentLane:
+        small = small_core(core, num_kv_blocks=64, max_model_len=512, prefix_caching=prefix_caching)
+        return PersistentLane(small, EagerBackend(small.model, small.runner.device))
+
+    prompt = chat_ids(tokenizer, "Write two sentences about rivers and the sea, then one about mountains.")
+    cached, plain = lane(True), lane(False)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = tokens_of(list(plain.generate(greedy_request("ref", prompt, params))))
+    k = 16 + 3  # inside the third quantum (the prefill token, then quanta of 8)
+    stop = tokenizer.decode(full[: k + 1], skip_special_tokens=True)
+    cut = list(cached.generate(greedy_request("cut", prompt, SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,)))))
+    assert tokens_of(cut) == full[: k + 1] and cut[-1].finish_reason == "stop"
+    assert_pool_full(cached.core)
+    turn2 = prompt + full[: k + 1] + chat_ids(tokenizer, "Shorter, please.")[1:]
+    short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    again = tokens_of(list(cached.generate(greedy_request("t2", turn2, short))))
+    # every full page of prompt + kept reply was registered and found; none past the last kept token
+    assert cached.prefix_hit_tokens == (len(prompt) + k + 1) // 16 * 16
+    assert again == tokens_of(list(plain.generate(greedy_request("t2p", turn2, short))))
+    assert_pool_full(cached.core)
+    assert_pool_full(plain.core)
