@@ -188,7 +188,7 @@ def test_client_disconnect_aborts_and_frees_pages(server, temperature, lane):
     ("/v1/chat/completions", {"json": {"model": MODEL, "messages": FRANCE, "tools": [{"type": "function"}]}},
      400, "tools"),
     ("/v1/completions", {"json": {"model": MODEL, "prompt": "hi", "logprobs": 6}}, 400, "logprobs"),
-    ("/v1/completions", {"json": {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}}, 400, "echo"),
+    ("/v1/completions", {"json": {"model": MODEL, "prompt": [1, "hi"]}}, 400, "do not mix"),
     ("/v1/no-such-endpoint", {"json": {}}, 404, "Not Found"),
 ])
 def test_malformed_http_gets_openai_error(server, path, kwargs, status, needle):
