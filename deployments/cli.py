@@ -49,6 +49,26 @@ def parse_args(argv: list[str] | None = None) -> dict:
     p.add_argument("--tracing-service-name", help="service.name of every span (default: persistent-serve)")
     p.add_argument("--tracing-sample-ratio", type=float,
                    help="fraction of traces exported; fallback traces always are (default: $OTEL_TRACES_SAMPLER_ARG or 1)")
+    p.add_argument("--api-key", nargs="+", action="extend", metavar="KEY",
+                   help="require `Authorization: Bearer KEY` (one or more keys; visible in `ps`: prefer "
+                        "$PERSISTENT_SERVE_API_KEY)")
+    p.add_argument("--admin-api-key", nargs="+", action="extend", metavar="KEY",
+                   help="keys for /debug/... (default: loopback clients only; prefer $PERSISTENT_SERVE_ADMIN_API_KEY)")
+    p.add_argument("--allow-special-tokens", action="store_true", default=None,
+                   help="parse special-token strings in client text as special tokens (vLLM's behaviour; "
+                        "default: tokenize them as text)")
+    p.add_argument("--max-request-body-bytes", type=int, help="largest request body (default 4 MiB; 413 above)")
+    p.add_argument("--request-body-timeout-s", type=float,
+                   help="seconds the whole body may take to arrive (default 30; 408)")
+    p.add_argument("--request-idle-timeout-s", type=float,
+                   help="longest gap between body chunks in seconds (default 10; 408)")
+    p.add_argument("--max-prompt-chars", type=int,
+                   help="most prompt characters, checked before tokenizing (default 32 x max-model-len)")
+    p.add_argument("--max-messages", type=int, help="most messages per chat request (default 2048)")
+    p.add_argument("--max-output-tokens", type=int, help="most output tokens per request (default: what fits the context)")
+    p.add_argument("--keep-alive-timeout-s", type=int,
+                   help="close idle keep-alive HTTP connections after this many seconds (Serve's "
+                        "http_options.keep_alive_timeout_s; default 90)")
     p.add_argument("--metrics-export-port", type=int,
                    help="start Ray with its Prometheus endpoint on this port (http://HOST:PORT/metrics)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
@@ -60,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     host, port = args.pop("host"), args.pop("port")
+    http_options = {"host": host, "port": port}
+    if "keep_alive_timeout_s" in args:
+        http_options["keep_alive_timeout_s"] = args.pop("keep_alive_timeout_s")
     metrics_port = args.pop("metrics_export_port", None)
     try:
         config = AppConfig.from_args(args)
@@ -74,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if metrics_port is not None:
         ray.init(_metrics_export_port=metrics_port)
 
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options=http_options)
     serve.run(build_app(config), blocking=False)
     print(f"persistent-serve: serving {config.engine.name} on http://{host}:{port}/v1", flush=True)
     try:

@@ -17,6 +17,7 @@ choice for eligible requests; the response's ``x-lane`` says where it ran).
 """
 
 
+import asyncio
 import json
 import logging
 import time
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.client_text import ClientTextEncoder
 from deployments.config import AppConfig
 from deployments.openai_format import ChatFormat, CompletionFormat, TokenText, to_http
 from deployments.protocol import (
@@ -39,6 +41,7 @@ from deployments.protocol import (
 )
 from deployments.replicas import engine_actor_stats
 from deployments.router import Router
+from deployments.security import RequestGuard, RequestGuardMiddleware
 from deployments.tokenize_api import (
     DetokenizeRequest,
     TokenizeRequest,
@@ -68,6 +71,15 @@ api = FastAPI(title="persistent-serve", version="0.1.0")
 LANE_HEADER = "x-lane"
 """Response header naming the lane that served; as a request header, forces a lane."""
 FORCEABLE_LANES = ("standard", "persistent")
+
+
+def _replica_guard() -> RequestGuard:
+    """The running ingress replica's keys and limits (``deployments/security.py``)."""
+    return serve.get_replica_context().servable_object.guard
+
+
+# API keys, body size and timeouts, HTTP/1.0 framing: before FastAPI reads the body.
+api.add_middleware(RequestGuardMiddleware, guard=_replica_guard)
 
 
 def _error_response(exc: OpenAIError) -> Response:
@@ -141,6 +153,8 @@ class OpenAIIngress:
         self.max_model_len = config.engine.max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.engine.model, progress=False))
         self.token_text = TokenText(self.tokenizer)
+        self.encoder = ClientTextEncoder(self.tokenizer, config.security.allow_special_tokens)
+        self.guard = RequestGuard(config.security, config.limits, self.max_model_len)
         self.router = Router(
             config.persistent_decoder, persistent if config.persistent_enabled else None, standard,
             self.max_model_len, config.spillover_wait_s,
@@ -171,18 +185,20 @@ class OpenAIIngress:
         if self.router.persistent is not None:
             out["persistent"] = _pool_totals(await engine_actor_stats("persistent", self.app_name))
         out["router"] = self.router.stats()
+        out["security"] = self.guard.stats()
         return out
 
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_common(body)
-        return await self._serve(body, encode_chat(self.tokenizer, body.messages), chat=True, http=request)
+        ids = await asyncio.to_thread(encode_chat, self.encoder, body.messages)  # off the event loop
+        return await self._serve(body, ids, chat=True, http=request)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_common(body)
         if isinstance(body.prompt, str):
-            ids = encode_prompt(self.tokenizer, body.prompt)
+            ids = await asyncio.to_thread(encode_prompt, self.encoder, body.prompt)
             echo = body.prompt if body.echo else ""
         else:
             ids = list(body.prompt)
@@ -193,12 +209,13 @@ class OpenAIIngress:
     @api.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
         self._check_model(body.model)
-        return tokenize(self.tokenizer, body, self.max_model_len)
+        self.guard.check_request(body)
+        return await asyncio.to_thread(tokenize, self.encoder, body, self.max_model_len)
 
     @api.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest):
         self._check_model(body.model)
-        return detokenize(self.tokenizer, body)
+        return await asyncio.to_thread(detokenize, self.tokenizer, body)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -209,6 +226,7 @@ class OpenAIIngress:
     def _check_common(self, body) -> None:
         self._check_model(body.model)
         body.check()
+        self.guard.check_request(body)
 
     def _request(self, body, ids: list[int]) -> GenerateRequest:
         """One engine request for all ``n`` choices (the engine derives per-choice seeds)."""
