@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 # On our CPU dev/CI machines `torch==2.13.0` is a local CPU build; elsewhere it is PyPI's build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-test serve test test-stress test-cluster lint
+.PHONY: install install-test serve test test-stress test-cluster test-chaos lint
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
@@ -27,6 +27,10 @@ test-stress: install-test
 
 test-cluster: install-test
 	$(PYTHON) -m pytest -q -m cluster tests/deployments/test_cluster.py
+
+# Processes and a node killed under load (docs/reliability.md); prints one `chaos:` JSON line per fault.
+test-chaos: install-test
+	$(PYTHON) -m pytest -q -s -m chaos tests/deployments/test_chaos.py
 
 lint:
 	$(PYTHON) -m ruff check .

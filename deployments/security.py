@@ -290,9 +290,9 @@ class RequestGuard:
             wait = min(limits.request_idle_timeout_s, left)
             try:
                 if wait <= 0:
-                    raise TimeoutError
+                    raise asyncio.TimeoutError
                 message = await asyncio.wait_for(receive(), wait)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError itself on Python >= 3.11
                 self.refused["timeout"] += 1
                 whole = left <= limits.request_idle_timeout_s
                 raise OpenAIError(
