@@ -19,6 +19,12 @@ the pool autoscales on). If no replica takes it within ``spillover_wait_s``,
 or Serve's ``max_queued_requests`` refuses it, it goes to the standard lane
 with reason ``persistent_capacity``: a ``fallback`` span and the counter
 ``persistent_serve_spillovers_total``.
+
+Failures: a replica that dies under a request (the handle raises) ends that request's
+stream with a ``GenerationError`` (``replica_died``) rather than an exception, so the
+client gets an error event. A standard-lane request whose replica or engine died before
+any of its output was passed on is sent again (``STANDARD_RETRIES``), since the client
+cannot tell; on the persistent lane a failure after ``Started`` stays terminal.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ OVERLOADED = "overloaded"
 """``GenerationError.reason`` when the standard pool's queue is full (HTTP 503 + Retry-After)."""
 
 REPLICA_DIED = "replica_died"
-"""``GenerationError.reason`` when the replica serving a request died after output had been sent."""
+"""``GenerationError.reason`` when the replica serving a request died under it (Ray/Serve raised)."""
 
 REPLICA_UNAVAILABLE = "replica_unavailable"
 """``GenerationError.reason`` when no live standard replica could take the request (HTTP 503 + Retry-After)."""
