@@ -1,71 +1,86 @@
 """``persistent-serve`` command line: start the app on Ray Serve and block.
 
+Every field of the app config (:class:`deployments.config.AppConfig`), of its engine settings
+(:class:`replicas.config.EngineConfig`), of its tracing settings
+(:class:`ops.telemetry.tracing.TracingConfig`, flags ``--tracing-*``) and of its API keys and request
+limits (:class:`deployments.security.SecurityConfig`, :class:`deployments.security.RequestLimits`;
+``--api-key K1 K2``) is a flag, with the field's description as its help and its allowed values as the choices: the config is the one source. Only the
+flags given are passed on, so the config's defaults apply to the rest. Booleans take ``--flag`` /
+``--no-flag``; dicts, lists and pool settings take JSON (``--moe-tiles '{"down_pairs": 1}'``).
+
 Example::
 
-    persistent-serve --persistent-decoder auto --model smollm2-135m-instruct
+    persistent-serve --persistent-decoder auto --model smollm2-135m-instruct --no-pipeline-quanta
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
+import json
 import sys
 import time
+import types
+import typing
 
-from pydantic import ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from deployments.config import AppConfig
+from deployments.security import RequestLimits, SecurityConfig
+from ops.telemetry.tracing import TracingConfig
+from replicas.config import EngineConfig
+
+SKIPPED = ("engine", "tracing", "security", "limits", "persistent_fault_injection")
+"""App config fields that are not flags: the nested groups (their fields are flags themselves) and the
+tests-only fault injection."""
 
 
-def parse_args(argv: list[str] | None = None) -> dict:
-    """Parse CLI flags into ``build_app`` arguments (only the flags that were given)."""
+def _unwrap(annotation):
+    """``X | None`` → ``X``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], prefix: str = "",
+                skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of ``model`` (``--{prefix}{name}`` in kebab case, ``dest`` ``{prefix}{name}``)."""
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        dest = prefix + name
+        kwargs: dict = {"dest": dest, "help": field.description, "default": None}
+        ann = _unwrap(field.annotation)
+        if typing.get_args(ann)[:1] == (SecretStr,):  # API keys: --api-key K1 K2 (repeatable)
+            kwargs.update(nargs="+", action="extend", metavar="KEY", type=str)
+        elif typing.get_origin(ann) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(ann))
+        elif isinstance(ann, type) and issubclass(ann, enum.Enum):
+            kwargs["choices"] = [m.value for m in ann]
+        elif ann is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif ann in (int, float, str):
+            kwargs["type"] = ann
+        else:  # dicts, tuples, nested models: JSON
+            kwargs["type"] = json.loads
+            kwargs["metavar"] = "JSON"
+        parser.add_argument("--" + dest.replace("_", "-"), **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's parser: the config's fields, plus ``--host``, ``--port``, ``--keep-alive-timeout-s`` (Serve's
+    HTTP options) and ``--metrics-export-port``."""
     p = argparse.ArgumentParser(
         prog="persistent-serve",
         description="Serve an OpenAI-compatible API on Ray Serve with persistent and standard lanes.",
     )
-    p.add_argument("--model", help="smollm2-135m-instruct (embedded, default), a .gguf file, or an HF checkpoint dir")
-    p.add_argument("--served-model-name", help="name clients send as `model` (default: --model)")
-    p.add_argument("--persistent-decoder", choices=["off", "auto", "required"],
-                   help="off: all standard; auto (default): eligible requests go persistent; "
-                        "required: refuse to start without a working persistent decoder")
-    p.add_argument("--persistent-decoder-checkpoint", metavar="DIR",
-                   help="persistent-decoder checkpoint directory (manifest + safetensors)")
-    p.add_argument("--persistent-backend", choices=["auto", "eager", "cuda_graph", "mk1"],
-                   help="persistent backend (default auto; mk1 needs AMD aiter on an MI355X)")
-    p.add_argument("--num-persistent-replicas", type=int, help="persistent-lane replicas (default 1)")
-    p.add_argument("--num-standard-replicas", type=int, help="standard-lane replicas (default 1)")
-    p.add_argument("--spillover-wait-s", type=float,
-                   help="seconds an eligible request waits for a busy persistent pool before going standard "
-                        "(default 0.5)")
-    p.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
-    p.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens (default 2048)")
-    p.add_argument("--num-kv-blocks", type=int, help="KV pages of 16 tokens per replica (default 4 x max-model-len)")
-    p.add_argument("--tracing-exporter", choices=["console", "otlp", "none"],
-                   help="OpenTelemetry exporter (default: $OTEL_TRACES_EXPORTER or none)")
-    p.add_argument("--tracing-endpoint", help="OTLP endpoint (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
-    p.add_argument("--tracing-protocol", choices=["http/protobuf", "grpc"],
-                   help="OTLP transport (default: $OTEL_EXPORTER_OTLP_PROTOCOL or http/protobuf)")
-    p.add_argument("--tracing-service-name", help="service.name of every span (default: persistent-serve)")
-    p.add_argument("--tracing-sample-ratio", type=float,
-                   help="fraction of traces exported; fallback traces always are (default: $OTEL_TRACES_SAMPLER_ARG or 1)")
-    p.add_argument("--api-key", nargs="+", action="extend", metavar="KEY",
-                   help="require `Authorization: Bearer KEY` (one or more keys; visible in `ps`: prefer "
-                        "$PERSISTENT_SERVE_API_KEY)")
-    p.add_argument("--admin-api-key", nargs="+", action="extend", metavar="KEY",
-                   help="keys for /debug/... (default: loopback clients only; prefer $PERSISTENT_SERVE_ADMIN_API_KEY)")
-    p.add_argument("--allow-special-tokens", action="store_true", default=None,
-                   help="parse special-token strings in client text as special tokens (vLLM's behaviour; "
-                        "default: tokenize them as text)")
-    p.add_argument("--max-request-body-bytes", type=int, help="largest request body (default 4 MiB; 413 above)")
-    p.add_argument("--request-body-timeout-s", type=float,
-                   help="seconds the whole body may take to arrive (default 30; 408)")
-    p.add_argument("--request-idle-timeout-s", type=float,
-                   help="longest gap between body chunks in seconds (default 10; 408)")
-    p.add_argument("--max-prompt-chars", type=int,
-                   help="most prompt characters, checked before tokenizing (default 32 x max-model-len)")
-    p.add_argument("--max-messages", type=int, help="most messages per chat request (default 2048)")
-    p.add_argument("--max-output-tokens", type=int, help="most output tokens per request (default: what fits the context)")
+    _add_fields(p, AppConfig, skip=SKIPPED)
+    _add_fields(p, EngineConfig)
+    _add_fields(p, TracingConfig, prefix="tracing_")
+    _add_fields(p, SecurityConfig)
+    _add_fields(p, RequestLimits)
     p.add_argument("--keep-alive-timeout-s", type=int,
                    help="close idle keep-alive HTTP connections after this many seconds (Serve's "
                         "http_options.keep_alive_timeout_s; default 90)")
@@ -73,7 +88,12 @@ def parse_args(argv: list[str] | None = None) -> dict:
                    help="start Ray with its Prometheus endpoint on this port (http://HOST:PORT/metrics)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    ns = vars(p.parse_args(argv))
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> dict:
+    """Parse CLI flags into ``build_app`` arguments (only the flags that were given)."""
+    ns = vars(build_parser().parse_args(argv))
     return {k: v for k, v in ns.items() if v is not None}
 
 

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.chat_plan import ChatPlanner
 from deployments.client_text import ClientTextEncoder
 from deployments.config import AppConfig
 from deployments.openai_format import ChatFormat, CompletionFormat, TokenText, to_http
@@ -40,6 +41,7 @@ from deployments.protocol import (
     validation_error,
 )
 from deployments.replicas import engine_actor_stats
+from deployments.responses_api import ResponsesRequest, serve_responses
 from deployments.router import Router
 from deployments.security import RequestGuard, RequestGuardMiddleware
 from deployments.tokenize_api import (
@@ -47,7 +49,6 @@ from deployments.tokenize_api import (
     TokenizeRequest,
     check_token_ids,
     detokenize,
-    encode_chat,
     encode_prompt,
     tokenize,
 )
@@ -151,10 +152,12 @@ class OpenAIIngress:
         self.config = config
         self.model_name = config.engine.name
         self.max_model_len = config.engine.max_model_len
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.engine.model, progress=False))
+        model_dir = resolve_model(config.engine.model, progress=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.token_text = TokenText(self.tokenizer)
         self.encoder = ClientTextEncoder(self.tokenizer, config.security.allow_special_tokens)
         self.guard = RequestGuard(config.security, config.limits, self.max_model_len)
+        self.chat_planner = ChatPlanner(self.tokenizer, model_dir, config.harmony_start_date, encoder=self.encoder)
         self.router = Router(
             config.persistent_decoder, persistent if config.persistent_enabled else None, standard,
             self.max_model_len, config.spillover_wait_s,
@@ -185,14 +188,19 @@ class OpenAIIngress:
         if self.router.persistent is not None:
             out["persistent"] = _pool_totals(await engine_actor_stats("persistent", self.app_name))
         out["router"] = self.router.stats()
+        out["ingress"] = self.chat_planner.describe()
         out["security"] = self.guard.stats()
         return out
 
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_common(body)
-        ids = await asyncio.to_thread(encode_chat, self.encoder, body.messages)  # off the event loop
-        return await self._serve(body, ids, chat=True, http=request)
+        plan = await asyncio.to_thread(self.chat_planner.plan, body)  # templating + tokenizing off the event loop
+        return await self._serve(body, plan.token_ids, chat=True, http=request, plan=plan)
+
+    @api.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest, request: Request):
+        return await serve_responses(self, body, request)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
@@ -210,6 +218,11 @@ class OpenAIIngress:
     async def tokenize(self, body: TokenizeRequest):
         self._check_model(body.model)
         self.guard.check_request(body)
+        if body.messages is not None and body.prompt is None and self.chat_planner.harmony:
+            plan = await asyncio.to_thread(self.chat_planner.plan_harmony,
+                                           [m.model_dump(exclude_none=True) for m in body.messages],
+                                           None, None, None, None, None)
+            return {"tokens": plan.token_ids, "count": len(plan.token_ids), "max_model_len": self.max_model_len}
         return await asyncio.to_thread(tokenize, self.encoder, body, self.max_model_len)
 
     @api.post("/detokenize")
@@ -228,7 +241,7 @@ class OpenAIIngress:
         body.check()
         self.guard.check_request(body)
 
-    def _request(self, body, ids: list[int]) -> GenerateRequest:
+    def _request(self, body, ids: list[int], plan=None) -> GenerateRequest:
         """One engine request for all ``n`` choices (the engine derives per-choice seeds)."""
         if not ids:
             raise OpenAIError("the prompt is empty", param="prompt")
@@ -246,7 +259,8 @@ class OpenAIIngress:
                 "the prompt or the completion length.",
                 param="max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens",
                 code="context_length_exceeded")
-        return GenerateRequest(new_id("req"), ids, body.sampling_params(limit or room))
+        params = body.sampling_params(limit or room)
+        return GenerateRequest(new_id("req"), ids, plan.apply(params) if plan is not None else params)
 
     @staticmethod
     def _lane_override(http: Request | None) -> str | None:
@@ -281,14 +295,17 @@ class OpenAIIngress:
             context=extract_context(dict(http.headers)) if http is not None else None,
             attributes={"http.request.method": "POST", "url.path": path, **attributes}), True
 
-    async def _serve(self, body, ids: list[int], chat: bool, echo: str = "", http: Request | None = None):
+    async def _serve(self, body, ids: list[int], chat: bool, echo: str = "", http: Request | None = None,
+                     plan=None, fmt=None):
+        """Run one request and answer it; ``plan`` (chat) adds stop tokens and a grammar, ``fmt`` replaces the
+        response formatter (the Responses API's)."""
         from opentelemetry import trace
         from opentelemetry.trace import Status, StatusCode
 
         arrival = time.monotonic()
         span, owned = self._http_span(http, body, chat)
         try:
-            g = self._request(body, ids)
+            g = self._request(body, ids, plan)
             g.lane_override = self._lane_override(http)
             span.set_attributes({ATTR_REQUEST_ID: g.request_id, ATTR_GEN_AI_INPUT_TOKENS: len(ids),
                                  ATTR_GEN_AI_MAX_TOKENS: g.params.max_tokens})
@@ -308,8 +325,11 @@ class OpenAIIngress:
             raise to_http(first)
         headers = {"x-lane": first.lane}
         logprobs = g.params.logprobs is not None
-        fmt = (ChatFormat(self.model_name, self.token_text, logprobs) if chat
-               else CompletionFormat(self.model_name, self.token_text, logprobs, echo))
+        if fmt is None and plan is not None:
+            fmt = self.chat_planner.formatter(plan, self.model_name, self.token_text, logprobs)
+        elif fmt is None:
+            fmt = (ChatFormat(self.model_name, self.token_text, logprobs) if chat
+                   else CompletionFormat(self.model_name, self.token_text, logprobs, echo))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(

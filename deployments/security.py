@@ -3,11 +3,11 @@
 One pure ASGI middleware (:class:`RequestGuardMiddleware`) runs in front of the ingress's FastAPI
 routes, before FastAPI reads the body:
 
-1. **API keys.** With keys configured (option ``api-key``, variable ``PERSISTENT_SERVE_API_KEY``),
+1. **API keys.** With keys configured (option ``api-key``, or ``envs.API_KEY``, a variable),
    every route except ``/health`` needs ``Authorization: Bearer KEY``, else 401 in OpenAI's error
    format. Keys are compared in constant time (``hmac.compare_digest`` over SHA-256 digests, every
    configured key compared, no early exit). Admin routes (``/debug/...``) need an admin key
-   (``admin-api-key``, ``PERSISTENT_SERVE_ADMIN_API_KEY``); with none configured they answer only
+   (``admin-api-key``, ``envs.ADMIN_API_KEY``); with none configured they answer only
    clients on a loopback address. A key never reaches a log line, a span or a metric label: the
    guard reads the header and keeps only whether it matched.
 2. **Body size and time.** A ``Content-Length`` above ``max-request-body-bytes`` is refused with
@@ -77,20 +77,20 @@ def _split_keys(value) -> tuple[str, ...]:
 class SecurityConfig(BaseModel):
     """API keys and how client text is tokenized.
 
-    The keys given here are added to those of the environment variables
-    ``PERSISTENT_SERVE_API_KEY`` / ``PERSISTENT_SERVE_ADMIN_API_KEY`` (``replicas/envs.py``), which
-    are the way to pass them in production: a config file never needs a literal key.
+    The keys given here are added to those of the environment variables ``envs.API_KEY`` /
+    ``envs.ADMIN_API_KEY`` (``replicas/envs.py``), which are the way to pass them in production: a
+    config file never needs a literal key.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     api_key: tuple[SecretStr, ...] = Field(
         (), description="API keys clients send as `Authorization: Bearer KEY` (one or more; a string is split "
-        "at commas). Set: every route but /health needs one. Prefer $PERSISTENT_SERVE_API_KEY for real keys.",
+        f"at commas). Set: every route but /health needs one. Prefer ${envs.API_KEY.name} for real keys.",
     )
     admin_api_key: tuple[SecretStr, ...] = Field(
         (), description="Keys for the admin routes (/debug/...); they also work as API keys. None configured: "
-        "admin routes answer loopback clients only. Prefer $PERSISTENT_SERVE_ADMIN_API_KEY.",
+        f"admin routes answer loopback clients only. Prefer ${envs.ADMIN_API_KEY.name}.",
     )
     allow_special_tokens: bool = Field(
         False, description="Parse special-token strings in client text (e.g. `<|im_end|>`) as the special tokens "
@@ -215,7 +215,7 @@ class RequestGuard:
         self.refused = {"unauthorized": 0, "forbidden": 0, "too_large": 0, "timeout": 0}
         if not len(self.api_keys):
             logger.warning("persistent-serve: no API key configured: the API answers any client that can reach "
-                           "it (set $PERSISTENT_SERVE_API_KEY or api-key)")
+                           f"it (set ${envs.API_KEY.name} or api-key)")
 
     @property
     def auth_enabled(self) -> bool:
@@ -245,7 +245,7 @@ class RequestGuard:
                 return None
             self.refused["forbidden"] += 1
             return OpenAIError("admin routes answer loopback clients only while no admin API key is configured "
-                               "(set $PERSISTENT_SERVE_ADMIN_API_KEY)", status=403, type_="permission_error",
+                               f"(set ${envs.ADMIN_API_KEY.name})", status=403, type_="permission_error",
                                code="admin_only")
         if not self.auth_enabled or self.api_keys.matches(token):
             return None

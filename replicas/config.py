@@ -7,8 +7,12 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from replicas.kernels.moe import MOE_BACKENDS
 from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.models.loader import DEFAULT_MODEL
+
+MoEBackendName = Literal[("auto", *MOE_BACKENDS)]
+"""``auto`` or a decode MoE backend of :data:`replicas.kernels.moe.MOE_BACKENDS` (the one registry)."""
 
 
 class EngineConfig(BaseModel):
@@ -26,10 +30,13 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(
         None, ge=1, description=f"KV pages ({PAGE_SIZE} tokens each); default: 4 x max_model_len worth."
     )
-    max_num_seqs: int = Field(32, ge=1, description="Most requests decoded together on the standard lane.")
+    max_num_seqs: int = Field(256, ge=1, description="Most requests decoded together on the standard lane "
+                              "(vLLM's default); decode CUDA graphs are captured up to it.")
     max_num_batched_tokens: int = Field(4096, ge=16, description="Most new tokens per standard-lane step.")
     enable_prefix_caching: bool = Field(
-        True, description="Share KV pages of equal prompt prefixes on the standard lane (hash-chained full pages)."
+        True, description="Share KV pages of equal prompt prefixes (hash-chained full pages) on the standard lane "
+        "and on the persistent lane where its backend takes cached pages (every backend but mk1, whose envelope "
+        "requires it off)."
     )
     enable_chunked_prefill: bool = Field(
         True, description="Split long prompts across steps under max_num_batched_tokens, mixed with decodes."
@@ -38,10 +45,50 @@ class EngineConfig(BaseModel):
         False, description="Never replay CUDA graphs for standard-lane decode steps (vLLM's flag of that name)."
     )
     cuda_graph_batch_sizes: tuple[int, ...] = Field(
-        (1, 2, 4, 8, 16, 32), description="Batch-size buckets of the standard lane's decode CUDA graphs (GPU only)."
+        (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256),
+        description="Batch-size buckets of the standard lane's decode CUDA graphs (GPU only; those above "
+                    "max_num_seqs are dropped; each is captured the first time a step needs it).",
+    )
+    prefill_kernels: bool = Field(
+        True, description="On a GPU, run prefill, mixed and large standard-lane steps through the Triton prefill "
+        "attention and the MoE's grouped MXFP4 GEMMs (replicas/kernels/prefill_attention.py, "
+        "replicas/kernels/moe/grouped_gemm.py); false keeps the torch reference attention and dequantizes each "
+        "routed expert, e.g. to compare the two. Resolved at load, shown in /debug/stats.",
     )
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's own).")
     progress: bool = Field(True, description="Show progress bars while loading.")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="auto: load the checkpoint's weights; dummy: build the model from its config.json "
+        "alone with random weights (MXFP4 experts packed as in the checkpoints), for benchmarks without the "
+        "weights (vLLM's --load-format dummy). The tokenizer still comes from the model directory if it has one.",
+    )
+    # Kernel choices: resolved once at load (replicas.kernels.decode_ops.DecodeOps.build), shown in /debug/stats.
+    pdl: bool = Field(
+        True, description="Launch the decode kernels with programmatic dependent launch where the GPU supports "
+        "it (NVIDIA sm_90+): a kernel's weight loads overlap the previous kernel's tail.",
+    )
+    moe_backend: MoEBackendName = Field(
+        "auto", description="MoE decode kernels of models with experts (GPT-OSS): auto picks the first that runs "
+        "here of hopper_bulk (NVIDIA sm_90+, bf16), triton_tc (NVIDIA), triton_fp32 (NVIDIA, fp32 models), "
+        "triton_portable (any Triton GPU, e.g. ROCm), reference (CPU). A named backend that cannot run here "
+        "fails the load. docs/kernels.md lists them.",
+    )
+    moe_repack: bool = Field(
+        True, description="Repack the experts at load into the bit layout the hopper_bulk kernels decode in "
+        "fewer instructions (ignored by other backends).",
+    )
+    moe_tiles: dict[str, int] = Field(
+        default_factory=dict, description="Tile arguments for the MoE decode kernels (e.g. {\"down_pairs\": 1}); "
+        "keys must be the chosen backend's (replicas.kernels.moe.TILE_KEYS). Empty: the kernels' defaults.",
+    )
+    pipeline_quanta: bool = Field(
+        True, description="Persistent lane: launch quantum k+1 behind quantum k before reading k, on backends "
+        "that support it (cuda_graph), so the GPU never waits for the host between quanta.",
+    )
+    fused_greedy_epilogue: bool = Field(
+        True, description="cuda_graph persistent backend: each step's argmax, stop check and bookkeeping in "
+        "one Triton launch instead of the torch ops.",
+    )
 
     @model_validator(mode="after")
     def _check_blocks(self) -> EngineConfig:
@@ -65,6 +112,12 @@ class EngineConfig(BaseModel):
         if self.dtype == "auto":
             return torch.float32 if self.resolved_device().type == "cpu" else torch.bfloat16
         return getattr(torch, self.dtype)
+
+    def kernel_options(self) -> dict:
+        """The kernel settings :func:`replicas.models.registry.load_model` passes to
+        :meth:`replicas.kernels.decode_ops.DecodeOps.build`."""
+        return {"pdl": self.pdl, "moe_backend": self.moe_backend, "moe_repack": self.moe_repack,
+                "moe_tiles": dict(self.moe_tiles), "prefill_kernels": self.prefill_kernels}
 
     def resolved_num_kv_blocks(self) -> int:
         return self.num_kv_blocks or 4 * -(-self.max_model_len // PAGE_SIZE)

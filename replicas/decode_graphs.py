@@ -20,13 +20,14 @@ import logging
 
 import torch
 
+from replicas.graph_capture import capture_graphs
 from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.request import Request
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-"""Buckets captured on demand (vLLM-style powers of two up to the default ``max_num_seqs``)."""
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+"""Buckets captured on demand (as ``EngineConfig.cuda_graph_batch_sizes``: up to the default ``max_num_seqs``)."""
 
 
 class DecodeGraphs:
@@ -85,6 +86,26 @@ class DecodeGraphs:
         self.replays += 1
         return buf["logits"][: len(batch)].clone()
 
+    @torch.inference_mode()
+    def run_staged(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+                   size: int) -> torch.Tensor | None:
+        """:meth:`run` from device tensors (:class:`~replicas.step_inputs.StepInputs`): ``tokens`` and
+        ``positions`` ``[B]``, ``block_table`` ``[B, max_blocks]``, copied into the graph's staging buffer on
+        the device (no host loop, no sync); rows ``B..size-1`` become padding (position -1)."""
+        entry = self._graphs.get(size) or self._capture(size)
+        if entry is None:
+            return None
+        graph, buf = entry
+        n = tokens.shape[0]
+        staged = buf["staging"]
+        staged[:n, 0].copy_(tokens)
+        staged[:n, 1].copy_(positions)
+        staged[n:, 1].fill_(-1)
+        staged[:n, 2:2 + block_table.shape[1]].copy_(block_table)
+        graph.replay()
+        self.replays += 1
+        return buf["logits"][:n].clone()
+
     def _body(self, buf: dict[str, torch.Tensor]) -> None:
         staged = buf["staging"]
         buf["logits"].copy_(self.model.decode_static(staged[:, 0], staged[:, 1], staged[:, 2:], self.kv_planes))
@@ -97,18 +118,9 @@ class DecodeGraphs:
             with torch.inference_mode():
                 probe = self.model.decode_static(staging[:, 0], staging[:, 1], staging[:, 2:], self.kv_planes)
                 buf["logits"] = torch.empty(probe.shape, dtype=torch.float32, device=probe.device)  # sampled
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        self._body(buf)
-                torch.cuda.current_stream(self.device).wait_stream(side)
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self._body(buf)
-                torch.cuda.synchronize(self.device)
+                graph = capture_graphs({size: lambda: self._body(buf)}, self.device, pool=self._pool)[size]
         except Exception as exc:  # noqa: BLE001 - an uncapturable bucket runs eagerly from now on
             logger.warning("decode CUDA graph for batch size %d not captured (%s); that size runs eagerly",
                            size, exc)

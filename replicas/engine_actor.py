@@ -26,7 +26,7 @@ from replicas.engine import EngineCore, LLMEngine
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
 from replicas.persistent.checkpoint import CheckpointError
 from replicas.persistent.contract import PersistentDecoderError
-from replicas.persistent.factory import create_backend
+from replicas.persistent.factory import backend_takes_cached_pages, create_backend
 from replicas.persistent.faults import FaultInjection, with_faults
 from replicas.persistent.lane import PersistentLane
 
@@ -103,8 +103,10 @@ class EngineActor:
             raise ValueError(f"lane must be 'standard' or 'persistent', got {lane!r}")
         self.lane_name = lane
         self.mode = Mode.parse(mode)
-        # the persistent lane runs without prefix caching (MK1's envelope requires it off)
-        self.core = EngineCore.load(config, enable_prefix_caching=None if lane == "standard" else False)
+        # the persistent lane shares prefix-cached pages where its backend takes them (not mk1: MK1's envelope
+        # requires prefix caching off)
+        prefix = config.enable_prefix_caching and (lane == "standard" or backend_takes_cached_pages(backend))
+        self.core = EngineCore.load(config, enable_prefix_caching=prefix)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self.persistent: PersistentLane | None = None
@@ -112,6 +114,7 @@ class EngineActor:
         if lane == "standard":
             self.engine = LLMEngine(self.core, on_scheduled=self._scheduled)
             threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True).start()
+            threading.Thread(target=self.core.grammars.warm, name="grammar-warmup", daemon=True).start()
         else:
             decoder, error = None, None
             try:
@@ -139,7 +142,8 @@ class EngineActor:
         )
 
         backend_name = self.persistent.backend.name if self.persistent and self.persistent.backend else None
-        self.telemetry = build_engine_telemetry(lane, config.name, backend_name, tracing)
+        self.settings = self._settings(backend_name)
+        self.telemetry = build_engine_telemetry(lane, config.name, backend_name, tracing, self.settings)
         self._requests: dict = {}  # request id -> RequestTelemetry, for the engine thread's queue-time hook
         self.telemetry.gauges(self._stats())
         # Ray drops a gauge nobody set recently: refresh the page/health gauges while idle too
@@ -154,6 +158,24 @@ class EngineActor:
             **(await self.stats()),
         }
 
+    def _settings(self, backend_name: str | None) -> dict:
+        """What this engine resolved at load and runs with (``/debug/stats`` ``settings``, span attributes):
+        the decode kernels and MoE backend (:meth:`EngineCore.describe_kernels`), the persistent backend and
+        whether its quanta are pipelined and use the fused greedy epilogue."""
+        from replicas.persistent.contract import PipelinedBackend
+
+        cfg = self.core.config
+        out = {"load_format": cfg.load_format, "dtype": str(cfg.resolved_dtype()).removeprefix("torch."),
+               "device": str(cfg.resolved_device()), "prefix_caching": self.core.allocator.enable_prefix_caching,
+               **self.core.describe_kernels()}
+        if self.persistent is not None:
+            backend = self.persistent.backend
+            out["persistent_backend"] = backend_name
+            out["pipeline_quanta"] = bool(cfg.pipeline_quanta and isinstance(backend, PipelinedBackend))
+            out["fused_greedy_epilogue"] = bool(getattr(backend, "fused_epilogue", False))
+            out["prefix_caching"] = self.persistent.prefix_caching
+        return out
+
     def _stats(self) -> dict:
         return self.persistent.stats() if self.persistent else self.engine.stats()
 
@@ -166,10 +188,10 @@ class EngineActor:
                 logger.debug("gauge refresh failed", exc_info=True)
 
     async def stats(self) -> dict:
-        """KV page accounting and queue depth, and where the engine runs (placement group, node, process id;
-        read by tests, the chaos runs and the debug endpoint)."""
-        return {**self._stats(), "placement_group_id": _placement_group_id(), "node_id": _node_id(),
-                "pid": os.getpid()}
+        """KV page accounting and queue depth, the resolved settings, and where the engine runs (placement
+        group, node, process id; read by tests, the chaos runs and the debug endpoint)."""
+        return {**self._stats(), "placement_group_id": _placement_group_id(), "settings": self.settings,
+                "node_id": _node_id(), "pid": os.getpid()}
 
     def _scheduled(self, request_id: str) -> None:
         rt = self._requests.get(request_id)

@@ -11,8 +11,10 @@ Pipeline (vLLM's order), per row, in :func:`sample_rows`:
    ``logprobs_mode="raw_logprobs"``); the sampled token's value plus the
    ``k = params.logprobs`` most likely ``(token_id, logprob)``.
 2. **bans**: ``banned_token_ids`` are set to ``-inf`` (the engine bans EOS and
-   stop ids while fewer than ``min_tokens`` were generated, see
-   :func:`min_tokens_banned_ids`).
+   stop ids while fewer than ``min_tokens`` were generated:
+   :func:`replicas.stops.stop_token_set`), and so is every token outside
+   ``allowed_token_mask`` (a structured output's grammar,
+   :mod:`replicas.structured_output`).
 3. **repetition penalty** over prompt + output tokens (CTRL, Keskar et al.
    2019; HF ``RepetitionPenaltyLogitsProcessor``).
 4. **presence / frequency penalties** over output tokens only (OpenAI API).
@@ -53,24 +55,6 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return gen
 
 
-def min_tokens_banned_ids(
-    params: SamplingParams, num_output_tokens: int, eos_token_ids: Iterable[int]
-) -> frozenset[int]:
-    """The ids to ban for the next token so that ``params.min_tokens`` holds.
-
-    While fewer than ``min_tokens`` tokens were generated, every token that
-    would end generation is banned: ``params.stop_token_ids`` and, unless
-    ``params.ignore_eos``, the model's EOS ids (vLLM's ``min_tokens`` rule).
-    Empty once ``num_output_tokens >= min_tokens``.
-    """
-    if num_output_tokens >= params.min_tokens:
-        return frozenset()
-    ids = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        ids.update(eos_token_ids)
-    return frozenset(ids)
-
-
 @dataclass
 class SamplingRow:
     """Everything the sampler needs about one row of the logits.
@@ -83,6 +67,8 @@ class SamplingRow:
         output_token_ids: tokens generated so far (all penalties).
         banned_token_ids: ids masked to ``-inf`` before anything else; ids
             outside ``[0, vocab)`` are ignored (they cannot be sampled anyway).
+        allowed_token_mask: bool ``[vocab]`` (the logits' device): only True tokens may be
+            picked (a grammar's mask); None allows every token.
     """
 
     params: SamplingParams
@@ -90,6 +76,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     banned_token_ids: frozenset[int] = frozenset()
+    allowed_token_mask: torch.Tensor | None = None
 
     @property
     def uses_repetition_penalty(self) -> bool:
@@ -106,6 +93,7 @@ class SamplingRow:
         return (
             not self.params.is_greedy
             or bool(self.banned_token_ids)
+            or self.allowed_token_mask is not None
             or self.uses_repetition_penalty
             or self.uses_additive_penalties
         )
@@ -292,13 +280,22 @@ def _process_and_pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     """
     vocab = logits.shape[-1]
     x = logits
-    # 2. bans
+    # 2. a grammar's mask (structured outputs), then bans
+    grammar_only: dict[int, torch.Tensor] = {}
+    for j, r in enumerate(rows):
+        if r.allowed_token_mask is not None:
+            x[j] = x[j].masked_fill(~r.allowed_token_mask[:vocab], _NEG_INF)
+            if r.banned_token_ids:
+                grammar_only[j] = x[j].clone()
     ban = [j for j, r in enumerate(rows) if r.banned_token_ids]
     if ban:
         for j in ban:
             if sum(1 for t in rows[j].banned_token_ids if 0 <= t < vocab) >= vocab:
                 raise ValueError("every token of the vocabulary is banned; nothing can be sampled")
         x[ban] = apply_bans(x[ban], [rows[j].banned_token_ids for j in ban])
+    for j, row in grammar_only.items():  # the bans (min_tokens) took the grammar's last tokens: the grammar wins
+        if bool(torch.isinf(x[j]).all()):
+            x[j] = row
     # 3. repetition penalty (prompt + output)
     rep = [j for j, r in enumerate(rows) if r.uses_repetition_penalty]
     if rep:

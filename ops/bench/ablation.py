@@ -6,10 +6,12 @@ kernel would save. This tool measures that directly: it captures the persistent 
 of a random gpt-oss model (as ``ops.bench.engine`` builds it) with one kernel class replaced by a
 fixed buffer, and times the replay against the full step, all on the same weights in one process.
 
-The outputs of a removed kernel are wrong by construction (zeros, or fixed expert ids), so only the
-timings mean anything; nothing here is a correctness check. The model's q/k/v projections are fused (as
-``ops.bench.engine`` builds it), so the qkv projection is one ``linear`` call that "no qkv GEMV" can
-replace. CUDA only.
+Each ablation is a model of its own: the same weights given a :class:`~replicas.kernels.decode_ops.DecodeOps`
+whose method for that class returns a fixed buffer (:meth:`GptOssForCausalLM.use_ops`); nothing in the
+runtime is patched. The outputs of a removed kernel are wrong by construction (zeros, or fixed expert
+ids), so only the timings mean anything; nothing here is a correctness check. The model's q/k/v
+projections are fused, so the qkv projection is one ``linear`` call that "no qkv GEMV" can replace.
+CUDA only.
 
 Usage (GPU): ``python -m ops.bench.ablation [--shape gpt-oss-120b] [--context 1152] [name ...]``
 (names: see ``--list``; default all).
@@ -18,15 +20,32 @@ Usage (GPU): ``python -m ops.bench.ablation [--shape gpt-oss-120b] [--context 11
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from collections.abc import Callable
 
 import torch
 
-from replicas.models import gpt_oss
+from replicas.kernels.decode_ops import DecodeOps
 
-PATCHED = ("rope_kv_write", "decode_attention", "linear", "add_rmsnorm_route", "moe_add_rmsnorm")
-"""The names in :mod:`replicas.models.gpt_oss` that an ablation may replace while a graph is captured."""
+REPLACEABLE = ("rope_kv_write", "decode_attention", "linear", "add_rmsnorm_route", "moe_add_rmsnorm")
+"""The :class:`DecodeOps` methods an ablation may replace (each called by ``GptOssForCausalLM.decode_static``)."""
+
+
+def ablated_ops(ops: DecodeOps, replacements: dict[str, Callable]) -> DecodeOps:
+    """A copy of ``ops`` whose methods named in ``replacements`` (keys of :data:`REPLACEABLE`) are the given
+    functions, each called as ``fn(ops, *args, **kwargs)`` with the original ``ops`` first.
+
+    Raises:
+        ValueError: a name outside :data:`REPLACEABLE`."""
+    bad = sorted(set(replacements) - set(REPLACEABLE))
+    if bad:
+        raise ValueError(f"not replaceable: {bad}")
+    def method(fn: Callable) -> Callable:
+        return lambda self, *args, **kwargs: fn(ops, *args, **kwargs)
+
+    cls = type("AblatedDecodeOps", (DecodeOps,), {name: method(fn) for name, fn in replacements.items()})
+    return cls(**{f.name: getattr(ops, f.name) for f in dataclasses.fields(ops)})
 
 
 class _Buffers:
@@ -52,52 +71,31 @@ class _Buffers:
 
 
 def ablations(buf: _Buffers) -> dict[str, dict[str, Callable]]:
-    """Name → replacements of :data:`PATCHED` functions (empty: the full step)."""
-    orig = {name: getattr(gpt_oss, name) for name in PATCHED}
+    """Name → replacements of :data:`REPLACEABLE` methods (empty: the full step); each replacement is called
+    with the original :class:`DecodeOps` first."""
 
     def skip_linear(skip: Callable[[torch.Tensor], bool]):
-        def linear(x, weight, bias=None):
+        def linear(ops, x, weight, bias=None):
             if skip(weight):
                 return buf.zeros((x.shape[0], weight.shape[0]), x.dtype)
-            return orig["linear"](x, weight, bias)
+            return DecodeOps.linear(ops, x, weight, bias)
         return linear
 
-    def attention_without(kernel: str):
-        from replicas.kernels import triton_decode_attention as tda
-
-        class _Skip:
-            def __getitem__(self, grid):
-                return lambda *args, **kwargs: None
-
-        def attention(q, *args, **kwargs):
-            saved = getattr(tda, kernel)
-            setattr(tda, kernel, _Skip())
-            try:
-                orig["decode_attention"](q, *args, **kwargs)
-            finally:
-                setattr(tda, kernel, saved)
-            return buf.zeros(q.shape, q.dtype)
-        return attention
-
-    def fixed_route(x, delta, norm, router, mxfp4_out=False, workspace=None):
+    def fixed_route(ops, x, delta, norm, router, mxfp4_out=False, workspace=None):
         h_mx = buf.zeros(x.shape, torch.bfloat16) if mxfp4_out else None
         return (x, x, h_mx, *buf.routing(x.shape[0], router.top_k, x.dtype))
 
-    def no_moe(h, weights, ids, experts, x, norm, weight_in_fp32, x_mxfp4=None):
-        from replicas.kernels.static_decode import add_rmsnorm
-
-        return add_rmsnorm(x, None, norm, weight_in_fp32)
+    def no_moe(ops, h, weights, ids, experts, x, norm, weight_in_fp32, x_mxfp4=None):
+        return ops.add_rmsnorm(x, None, norm, weight_in_fp32)
 
     return {
         "full step": {},
         "no MoE (gate_up + down)": {"moe_add_rmsnorm": no_moe},
         "no qkv GEMV": {"linear": skip_linear(lambda w: w.shape[0] > w.shape[1])},  # [(H + 2 KVH) D, hidden]
-        "no qkv GEMV, RoPE + KV write": {"rope_kv_write": lambda attn, x, *a, **k: buf.zeros(
+        "no qkv GEMV, RoPE + KV write": {"rope_kv_write": lambda ops, attn, x, *a, **k: buf.zeros(
             (x.shape[0], attn.num_heads, attn.head_dim), x.dtype)},
         "no o GEMV": {"linear": skip_linear(lambda w: w.shape[0] < w.shape[1])},  # [hidden, H D]
-        "no attention (split + merge)": {"decode_attention": lambda q, *a, **k: q},
-        "no attention merge": {"decode_attention": attention_without("_merge_kernel")},
-        "no attention split": {"decode_attention": attention_without("_split_kernel")},
+        "no attention (split + merge)": {"decode_attention": lambda ops, q, *a, **k: q},
         "no add + RMSNorm + router": {"add_rmsnorm_route": fixed_route},
     }
 
@@ -106,9 +104,9 @@ def time_step(core, max_model_len: int, context: int, reps: int) -> float:
     """Median GPU µs per token of the persistent lane's 8-step graph (captured now) replayed at ``context``
     tokens."""
     from replicas.persistent.contract import CacheBinding
-    from replicas.persistent.cuda_graph import CudaGraphBackend
+    from replicas.persistent.factory import create_backend
 
-    backend = CudaGraphBackend(core.model, core.runner.device, max_model_len)
+    backend = create_backend("cuda_graph", core)
     backend.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
     b = backend.buffers
     b.block_table.copy_(torch.arange(backend.max_blocks, device=b.block_table.device))
@@ -144,21 +142,17 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float]]:
         raise SystemExit(f"unknown ablation(s) {unknown}; known: {list(table)}")
     if not torch.cuda.is_available():
         raise SystemExit("ops.bench.ablation needs an NVIDIA GPU: it times CUDA-graph replays")
-    from ops.bench.engine import build_gpt_oss_core, shape_config
+    from ops.bench.engine import build_core
 
     max_len = args.context + 64
-    core = build_gpt_oss_core(shape_config(args.shape), device, torch.bfloat16, max_len)
+    core = build_core(args.shape, device, torch.bfloat16, max_len)
+    full_ops = core.model.ops
     rows = []
     for name in args.names or list(table):
-        saved = {k: getattr(gpt_oss, k) for k in PATCHED}
-        for k, fn in table[name].items():
-            setattr(gpt_oss, k, fn)
-        try:
-            rows.append((name, time_step(core, max_len, args.context, args.reps)))
-        finally:
-            for k, fn in saved.items():
-                setattr(gpt_oss, k, fn)
+        core.model.use_ops(ablated_ops(full_ops, table[name]))
+        rows.append((name, time_step(core, max_len, args.context, args.reps)))
         print(f"  {name:32s} {rows[-1][1]:9.1f} µs/token", flush=True)
+    core.model.use_ops(full_ops)
     full = dict(rows).get("full step")
     print(f"\n{args.shape}, context {args.context}, CUDA-graph replay of 8 steps (median of {args.reps}):\n")
     print("| step | µs/token | cost (full step minus this) |\n|---|---|---|")

@@ -1,6 +1,7 @@
 """Engine benchmark: batch-one TTFT and TPOT of our lanes against transformers, on one device.
 
-No Ray: the engine parts are built directly. For each model shape
+No Ray: each engine core is built as a replica builds it (``EngineCore.load``; random weights through
+``load_format=dummy``), and each ``--variants`` setting builds its own model. For each model shape
 (``--shapes``: SmolLM2-135M with its real weights when ``--smollm2`` points at
 its GGUF or HF directory, else random ones; GPT-OSS-20b and -120b with random
 weights generated on the device, experts packed MXFP4 as in the released
@@ -35,8 +36,6 @@ CPU smoke run: ``python -m ops.bench.engine --device cpu --tiny``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import json
 import platform
 import statistics
@@ -46,16 +45,7 @@ from pathlib import Path
 
 import torch
 
-SMOLLM2_135M = {
-    "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-    "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
-    "tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1,
-}
-"""SmolLM2-135M-Instruct's architecture (its config.json, HF model card)."""
-
-TINY = {**SMOLLM2_135M, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+from ops.tools.model_shapes import SHAPES, shape_config, write_config_dir
 
 
 @dataclass
@@ -75,94 +65,31 @@ class Row:
         return self.floor_ms / self.tpot_ms if self.tpot_ms else 0.0
 
 
-class _NullTokenizer:
-    """Stands in for a tokenizer when none is available: the benchmark measures token ids, not text."""
+def build_core(shape: str | dict, device: torch.device, dtype: torch.dtype, max_model_len: int,
+               overrides: dict | None = None, smollm2: str | None = None):
+    """An :class:`~replicas.engine.EngineCore` built the way a replica builds one (:meth:`EngineCore.load`):
+    ``load_format=dummy`` over a directory holding ``shape``'s ``config.json`` (a name of
+    :mod:`ops.tools.model_shapes` or a config dict; random weights generated
+    on ``device``; GPT-OSS experts random packed MXFP4), or the real SmolLM2 weights at ``smollm2``.
 
-    eos_token_id = None
+    ``overrides``: engine config fields (the ``--variants`` settings: kernels, pipelining, ...). The KV
+    cache holds two ``max_model_len`` sequences; prefix caching is off (every rep prefills).
 
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-
-def build_core(raw_cfg: dict, device: torch.device, dtype: torch.dtype, max_model_len: int, tokenizer=None):
-    """An :class:`EngineCore` over a randomly initialised Llama-family model (std 0.02), on ``device``."""
-    from replicas.models.config import ModelConfig
-    from replicas.models.llama import LlamaForCausalLM, rope_tables
-
-    cfg = ModelConfig.from_dict(raw_cfg)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype)
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            torch.nn.init.ones_(p)
-        else:
-            torch.nn.init.normal_(p, std=0.02)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    return core_for(model.eval(), device, dtype, max_model_len, tokenizer)
-
-
-def build_gpt_oss_core(raw_cfg: dict, device: torch.device, dtype: torch.dtype, max_model_len: int,
-                       tokenizer=None):
-    """An :class:`EngineCore` over a random GPT-OSS of ``raw_cfg``'s shape, generated on ``device``.
-
-    Dense weights ``N(0, 0.02)`` in ``dtype``, norms 1, sinks ``N(0, 1)``; experts random packed MXFP4
-    bytes with E8M0 scales 2**-9 .. 2**-4 (element magnitudes up to 6 * 2**-4, like trained experts).
-    Nothing is allocated on the host: gpt-oss-120b needs ~65 GB of device memory.
+    Raises:
+        pydantic.ValidationError: an unknown or bad override.
     """
-    from replicas.models.gpt_oss import GptOssForCausalLM, rope_tables
-    from replicas.models.gpt_oss_config import GptOssConfig
+    import tempfile
 
-    cfg = GptOssConfig.from_dict(raw_cfg)
-    with torch.device("meta"):
-        model = GptOssForCausalLM(cfg).to(dtype)
-    model = model.to_empty(device=device)
-    gen = torch.Generator(device).manual_seed(0)
-    with torch.no_grad():
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("_blocks"):
-                t.random_(0, 256, generator=gen)
-            elif name.endswith("_scales"):
-                t.random_(118, 124, generator=gen)
-            elif "norm" in name:
-                t.fill_(1.0)
-            elif name.endswith("sinks"):
-                t.normal_(0.0, 1.0, generator=gen)
-            elif t.is_floating_point() and not name.startswith("rope_"):
-                t.normal_(0.0, 0.02, generator=gen)
-    cos, sin = rope_tables(cfg)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    return core_for(model.eval().fuse_qkv().prepare_decode_layout(), device, dtype, max_model_len, tokenizer)
-
-
-def load_smollm2_core(path: str, device: torch.device, dtype: torch.dtype, max_model_len: int):
-    """An :class:`EngineCore` over the real SmolLM2-135M-Instruct weights (GGUF file or HF directory)."""
     from replicas.config import EngineConfig
     from replicas.engine import EngineCore
 
-    return EngineCore.load(EngineConfig(model=path, device=str(device), dtype=str(dtype).removeprefix("torch."),
-                                        max_model_len=max_model_len, num_kv_blocks=2 * -(-max_model_len // 16) + 8,
-                                        enable_prefix_caching=False, progress=False))
-
-
-def core_for(model, device: torch.device, dtype: torch.dtype, max_model_len: int, tokenizer=None):
-    """Wrap ``model`` in an :class:`EngineCore` with a KV cache for two ``max_model_len`` sequences."""
-    from replicas.config import EngineConfig
-    from replicas.engine import EngineCore, decode_graphs
-    from replicas.kv_cache import KVCache, PageAllocator
-    from replicas.model_runner import ModelRunner
-
-    cfg = model.config
-    ecfg = EngineConfig(model="random", device=str(device), dtype=str(dtype).removeprefix("torch."),
-                        max_model_len=max_model_len, num_kv_blocks=2 * -(-max_model_len // 16) + 8,
-                        enable_prefix_caching=False, progress=False)
-    kv = KVCache(cfg, ecfg.resolved_num_kv_blocks(), dtype, device)
-    runner = ModelRunner(model, kv.planes(), device, graphs=decode_graphs(ecfg, model, kv, device))
-    return EngineCore(config=ecfg, model=model, tokenizer=tokenizer or _NullTokenizer(), kv_cache=kv,
-                      allocator=PageAllocator(kv.num_blocks), runner=runner, eos_token_ids=frozenset(cfg.eos_token_ids))
+    settings = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "max_model_len": max_model_len,
+                "num_kv_blocks": 2 * -(-max_model_len // 16) + 8, "enable_prefix_caching": False, "progress": False,
+                **(overrides or {})}
+    if smollm2:
+        return EngineCore.load(EngineConfig(model=smollm2, **settings))
+    with tempfile.TemporaryDirectory() as tmp:
+        return EngineCore.load(EngineConfig(model=str(write_config_dir(shape, tmp)), load_format="dummy", **settings))
 
 
 def _sync(device: torch.device) -> None:
@@ -340,96 +267,51 @@ def bytes_per_token(model, context: int, kv_dtype_bytes: int) -> float:
     return total
 
 
-SHAPES = ("smollm2-135m", "gpt-oss-20b", "gpt-oss-120b")
-
-
-def shape_config(shape: str) -> dict:
-    """The architecture of a benchmark shape (``tiny`` / ``tiny-gpt-oss`` are CPU smoke shapes)."""
-    from ops.tools.make_tiny_gpt_oss import real_config
-
-    if shape == "smollm2-135m":
-        return SMOLLM2_135M
-    if shape == "tiny":
-        return TINY
-    if shape.startswith("gpt-oss-"):
-        return real_config(shape.removeprefix("gpt-oss-"))
-    if shape == "tiny-gpt-oss":
-        return {**real_config("20b"), "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8,
-                "vocab_size": 512, "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0,
-                "eos_token_id": 1}
-    raise SystemExit(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}, tiny, tiny-gpt-oss")
-
-
 def run(args) -> list[Row]:
-    from replicas.persistent.cuda_graph import CudaGraphBackend
-    from replicas.persistent.eager import EagerBackend
+    from replicas.persistent.factory import create_backend
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    tokenizer = None
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     rows: list[Row] = []
+    variants = [parse_variant(v) for v in args.variants.split(";")] if args.variants else []
     for shape in args.shapes.split(","):
         raw = shape_config(shape)
         gpt_oss = raw["model_type"] == "gpt_oss"
         slow_tokens = min(args.slow_new_tokens, args.new_tokens) if gpt_oss else args.new_tokens
         max_len = args.prompt_len + args.new_tokens + 16
         real = shape == "smollm2-135m" and args.smollm2
-        t0 = time.perf_counter()
-        if real:
-            core = load_smollm2_core(args.smollm2, device, dtype, max_len)
-        elif gpt_oss:
-            core = build_gpt_oss_core(raw, device, dtype, max_len, tokenizer=None)
-        else:
-            core = build_core(raw, device, dtype, max_len, tokenizer)
         label = shape + (" (real weights)" if real else "")
-        print(f"{label}: built in {time.perf_counter() - t0:.1f} s", flush=True)
         g = torch.Generator().manual_seed(1)
         prompt = torch.randint(3, raw["vocab_size"], (args.prompt_len,), generator=g).tolist()
-        bpt = bytes_per_token(core.model, args.prompt_len + args.new_tokens // 2, core.kv_cache.tensor.element_size())
-        floor = bpt / (args.bandwidth_tbps * 1e12) * 1e3
+        for i, overrides in enumerate([{}] + variants):
+            t0 = time.perf_counter()
+            core = build_core(shape, device, dtype, max_len, overrides, smollm2=args.smollm2 if real else None)
+            print(f"{label}{' ' + describe_variant(overrides) if overrides else ''}: built in "
+                  f"{time.perf_counter() - t0:.1f} s; kernels {core.describe_kernels()}", flush=True)
+            bpt = bytes_per_token(core.model, args.prompt_len + args.new_tokens // 2, core.kv_cache.tensor.element_size())
+            floor = bpt / (args.bandwidth_tbps * 1e12) * 1e3
 
-        def row(lane, timing, tokens, kernels=None, note="", label=label, bpt=bpt, floor=floor):
-            ttft, tpot = timing
-            rows.append(Row(label, lane, ttft, tpot, bpt, floor, kernels, tokens, note))
-            print(f"  {label:28s} {lane:22s} TTFT {ttft:8.2f} ms  TPOT {tpot:8.3f} ms  ({tokens} tokens)",
-                  flush=True)
+            def row(lane, timing, tokens, kernels=None, note="", label=label, bpt=bpt, floor=floor):
+                ttft, tpot = timing
+                rows.append(Row(label, lane, ttft, tpot, bpt, floor, kernels, tokens, note))
+                print(f"  {label:28s} {lane:22s} TTFT {ttft:8.2f} ms  TPOT {tpot:8.3f} ms  ({tokens} tokens)",
+                      flush=True)
 
-        from replicas.kernels import moe as moe_dispatch
-
-        default_moe = moe_dispatch.MOE_KERNEL
-        for i, moe_kernel in enumerate([default_moe] + ([k for k in args.moe_kernels.split(",") if k != default_moe]
-                                                         if gpt_oss and args.moe_kernels else [])):
-            moe_dispatch.MOE_KERNEL = moe_kernel
-            _relayout(core.model)
-            graph = CudaGraphBackend(core.model, device, max_len)
-            lane = "persistent/cuda_graph" + (f" (moe={moe_kernel})" if gpt_oss and device.type == "cuda" else "")
+            graph = create_backend("cuda_graph", core)
+            lane = "persistent/cuda_graph" + (f" ({describe_variant(overrides)})" if overrides else "")
             row(lane, time_persistent(core, graph, prompt, args.new_tokens, args.reps), args.new_tokens,
                 count_kernels_per_token(graph))
             if i == 0 and args.profile and shape == (args.profile_shape or args.shapes.split(",")[-1]):
                 profile_rows(graph, args.prompt_len + args.new_tokens // 2, label, args)
             del graph
-        moe_dispatch.MOE_KERNEL = default_moe
-        for spec in [v.strip() for v in args.variants.split(";")] if args.variants and device.type == "cuda" else []:
-            with variant(spec):
-                _relayout(core.model)
-                graph = CudaGraphBackend(core.model, device, max_len)
-                row(f"persistent/cuda_graph ({spec or 'defaults'})",
-                    time_persistent(core, graph, prompt, args.new_tokens, args.reps), args.new_tokens,
-                    count_kernels_per_token(graph))
-                del graph
-        _relayout(core.model)  # the defaults' layout again (the standard lane's graphs read it)
-        row("persistent/eager", time_persistent(core, EagerBackend(core.model, device), prompt, slow_tokens,
-                                                1 if gpt_oss else args.reps), slow_tokens)
-        row("standard", time_standard(core, prompt, slow_tokens, 1 if gpt_oss else args.reps), slow_tokens)
-        del core
-        _free(device)
-        if args.write_docs:  # after every shape, so that a run cut short still leaves its numbers
-            write_docs(table(rows), args)
+            if i == 0:
+                row("persistent/eager", time_persistent(core, create_backend("eager", core), prompt, slow_tokens,
+                                                        1 if gpt_oss else args.reps), slow_tokens)
+                row("standard", time_standard(core, prompt, slow_tokens, 1 if gpt_oss else args.reps), slow_tokens)
+            del core
+            _free(device)
+            if args.write_docs:  # after every build, so that a run cut short still leaves its numbers
+                write_docs(table(rows), args)
         if args.no_hf or (gpt_oss and raw["num_local_experts"] > 32 and not args.hf_120b):
             continue
         try:
@@ -453,59 +335,37 @@ def run(args) -> list[Row]:
     return rows
 
 
-def _relayout(model) -> None:
-    """GPT-OSS: put the experts in the layout the current MoE settings want (``--moe-kernels``,
-    ``--variants moe=... repack=...``)."""
-    if hasattr(model, "relayout_experts"):
-        model.relayout_experts()
-
-
-def _tiles(value: str) -> dict[str, int]:
-    """``"pairs:2+stages:1"`` → ``{"pairs": 2, "stages": 1}`` (a kernel family's tile overrides)."""
-    return {k: int(n) for k, _, n in (item.partition(":") for item in value.split("+") if item)}
-
-
-VARIANT_KNOBS = {
-    "pdl": ("replicas.kernels.pdl", "ENABLED", lambda v: v == "1"),
-    "moe": ("replicas.kernels.moe", "MOE_KERNEL", str),
-    "splits": ("replicas.kernels.triton_decode_attention", "FEW_HEADS_SPLITS", int),
-    "tc": ("replicas.kernels.triton_moe_tc", "TILE_OVERRIDES", _tiles),
-    "bulk": ("replicas.kernels.cuda_moe_bulk", "TILE_OVERRIDES", _tiles),
-    "repack": ("replicas.kernels.moe", "REPACK", lambda v: v == "1"),
-    "window1": ("replicas.kernels.triton_decode_attention", "ONE_PASS_WINDOW", int),
-    "w1block": ("replicas.kernels.triton_decode_attention", "ONE_PASS_BLOCK", int),
-    "w1warps": ("replicas.kernels.triton_decode_attention", "ONE_PASS_WARPS", int),
-    "balanced": ("replicas.kernels.cuda_moe_bulk", "BALANCED_GRID", lambda v: v == "1"),
-    "attn_block": ("replicas.kernels.triton_decode_attention", "TOKENS_PER_ITER", int),
-    "epilogue": ("replicas.persistent.cuda_graph", "FUSED_EPILOGUE", lambda v: v == "1"),
-    "pipeline": ("replicas.persistent.lane", "PIPELINE", lambda v: v == "1"),
-}
-"""``--variants`` settings: name → (module, attribute, parser of the value). Each is read when a decode step
-is captured, so one process can time several settings on the same weights."""
-
-
-@contextlib.contextmanager
-def variant(spec: str):
-    """Apply ``"pdl=0 moe=gemv"`` (space-separated ``knob=value`` of :data:`VARIANT_KNOBS`) for the block,
-    then restore the previous values.
+def parse_variant(spec: str) -> dict:
+    """``"pipeline_quanta=0 moe_backend=triton_tc moe_tiles=pairs:2+stages:1"`` → engine config overrides
+    (space-separated ``field=value``; ``moe_tiles`` as ``name:int`` joined by ``+``), checked against
+    :class:`~replicas.config.EngineConfig` at once.
 
     Raises:
-        ValueError: an unknown knob or a malformed setting.
+        ValueError: a malformed item, an unknown field or a bad value.
     """
-    saved = []
+    from pydantic import ValidationError
+
+    from replicas.config import EngineConfig
+
+    overrides: dict = {}
+    for item in spec.split():
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--variants: bad setting {item!r} (expected field=value)")
+        if name == "moe_tiles":
+            overrides[name] = {k: int(n) for k, _, n in (t.partition(":") for t in value.split("+") if t)}
+        else:
+            overrides[name] = value
     try:
-        for item in spec.split():
-            name, sep, value = item.partition("=")
-            if not sep or name not in VARIANT_KNOBS:
-                raise ValueError(f"--variants: bad setting {item!r} (known: {', '.join(VARIANT_KNOBS)})")
-            module, attr, parse = VARIANT_KNOBS[name]
-            mod = importlib.import_module(module)
-            saved.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, parse(value))
-        yield
-    finally:
-        for mod, attr, value in reversed(saved):
-            setattr(mod, attr, value)
+        EngineConfig(**overrides)
+    except ValidationError as exc:
+        raise ValueError(f"--variants {spec!r}: {exc}") from None
+    return overrides
+
+
+def describe_variant(overrides: dict) -> str:
+    return " ".join(f"{k}={'+'.join(f'{a}:{b}' for a, b in v.items()) if isinstance(v, dict) else v}"
+                    for k, v in overrides.items())
 
 
 def _free(device: torch.device) -> None:
@@ -641,15 +501,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     p.add_argument("--hf-compile", action="store_true", help="also time transformers static cache + compile")
     p.add_argument("--hf-120b", action="store_true", help="try transformers on gpt-oss-120b too (needs ~240 GB)")
-    p.add_argument("--tokenizer", help="tokenizer directory (detokenize like a server would)")
     p.add_argument("--profile", action="store_true",
                    help="per-kernel breakdown of one decode step of the last shape, and the host gap")
     p.add_argument("--profile-shape", help="the shape --profile breaks down (default: the last)")
-    p.add_argument("--moe-kernels", default="",
-                   help="GPT-OSS: also time the persistent lane with these MoE decode kernels (scaled,mma,simt)")
     p.add_argument("--variants", default="",
-                   help="CUDA: also time the persistent lane under these settings, ';'-separated, each "
-                        "space-separated knob=value (knobs: pdl, moe, splits, tc, bulk, repack), e.g. 'pdl=0;moe=gemv;tc=pairs:2+depth:2'")
+                   help="also time the persistent lane with models built under these engine settings, "
+                        "';'-separated, each space-separated field=value of the engine config, e.g. "
+                        "'pdl=0;moe_backend=triton_tc moe_tiles=pairs:2+depth:2;pipeline_quanta=0'")
     p.add_argument("--json", help="write rows as JSON here")
     p.add_argument("--plot", help="write a PNG bar chart here")
     p.add_argument("--replot", help="only re-draw --plot from a --json file of an earlier run")
@@ -663,6 +521,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         rows = [Row(**r) for r in json.loads(Path(args.replot).read_text())]
         plot(rows, Path(args.plot or "docs/bench_engine.png"))
         return rows
+    for spec in args.variants.split(";") if args.variants else []:
+        parse_variant(spec)  # a bad setting fails before anything is built
     if args.profile and args.device == "cpu":
         raise SystemExit("--profile needs a CUDA device (it profiles CUDA kernels and graph replays)")
     rows = run(args)
@@ -692,7 +552,6 @@ def write_docs(text: str, args, marker: str | None = None, title: str | None = N
                  f"--new-tokens {args.new_tokens}", f"--slow-new-tokens {args.slow_new_tokens}", f"--reps {args.reps}"]
         flags += [flag for flag, on in (("--hf-compile", args.hf_compile), ("--smollm2 PATH", args.smollm2),
                                         ("--no-hf", args.no_hf), ("--profile", args.profile)) if on]
-        flags += [f"--moe-kernels {args.moe_kernels}"] if args.moe_kernels else []
         flags += [f"--variants '{args.variants}'"] if args.variants else []
         command = "python -m ops.bench.engine " + " ".join(flags)
     section = f"{start}\n## {title}\n\nCommand: `{command}`\nMachine: {machine()}\n\n{text}\n{end}"

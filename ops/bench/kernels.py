@@ -2,7 +2,7 @@
 
 Families (``--kernels``, comma-separated; default: all):
 
-- ``simt``, ``mma``, ``scaled``, ``gemv``, ``tc``: the MXFP4 MoE GEMV variants at gpt-oss-120b's expert shape
+- ``triton_portable``, ``triton_fp32``, ``triton_tc``, ``hopper_bulk``: the MoE decode backends at gpt-oss-120b's expert shape
   (hidden 2880, expert width 2880, 128 experts, top-4: one decode token reads 4 experts' packed gate_up
   and down matrices, 52.9 MB), 16 expert sets rotated so that L2 never holds the weights;
 - ``dense``: the batch-one bf16 GEMV (:mod:`replicas.kernels.triton_gemv`) against cuBLAS at the
@@ -13,13 +13,12 @@ Families (``--kernels``, comma-separated; default: all):
 Each call is captured many times in one CUDA graph and timed with CUDA events; a cuBLAS bf16 GEMV of
 265 MB is printed first as the achievable-bandwidth yardstick.
 
-Usage (GPU): ``python -m ops.bench.kernels [--kernels gemv,dense,attention]``.
+Usage (GPU): ``python -m ops.bench.kernels [--kernels hopper_bulk,triton_tc,dense,attention]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import json
 
@@ -68,26 +67,16 @@ def _sweep(title: str, call, grid: dict[str, tuple], top: int, mb: float, prefix
     return rows
 
 
-MOE_FAMILIES = {
-    "simt": ("portable scalar kernels (triton_moe, 2 launches)", "replicas.kernels.triton_moe", "triton_moe",
-             {"block_j": (8, 16), "block_r": (4, 8), "groups_per_tile": (8,)}),
-    "mma": ("tensor-core kernels (triton_moe_mma, 3 launches)", "replicas.kernels.triton_moe_mma",
-            "triton_moe_partials", {"block_j": (16, 32), "block_r": (16, 32), "splits": (3, 5, 8), "num_warps": (2,)}),
-    "scaled": ("tl.dot_scaled kernels (triton_moe_scaled, 2 launches)", "replicas.kernels.triton_moe_scaled",
-               "triton_moe_scaled", {"block_n": (16, 32, 64), "block_k": (128, 256, 512), "num_warps": (2, 4),
-                                     "num_stages": (2, 3, 4)}),
-    "gemv": ("SIMT fp32 kernels (triton_moe_gemv, 2 launches)", "replicas.kernels.triton_moe_gemv",
-             "triton_moe_gemv", {"block_j": (2, 4, 8), "block_r": (4, 8, 16), "blocks_per_step": (8, 16, 32),
-                                 "num_warps": (2, 4)}),
-    "tc": ("tensor-core kernels, inline-PTX mma.sync (triton_moe_tc, 2 launches)", "replicas.kernels.triton_moe_tc",
-           "triton_moe_tc", {"num_warps": (4,), "down_num_warps": (4, 8), "depth": (1,), "down_depth": (1, 2),
-                              "pairs": (1, 2), "down_pairs": (1, 2)}),
-    "bulk": ("tensor-core math, weights bulk-copied to shared memory (cuda_moe_bulk, 2 launches)",
-             "replicas.kernels.cuda_moe_bulk", "cuda_moe_bulk",
-             {"num_warps": (4, 8), "down_num_warps": (4, 8), "down_pairs": (1, 2), "stages": (1, 2),
-              "blocks_per_sm": (2, 6, 8)}),
+MOE_GRIDS = {
+    "triton_portable": {"block_j": (8, 16), "block_r": (4, 8), "groups_per_tile": (8,)},
+    "triton_fp32": {"block_j": (2, 4, 8), "block_r": (4, 8, 16), "blocks_per_step": (8, 16, 32), "num_warps": (2, 4)},
+    "triton_tc": {"num_warps": (4,), "down_num_warps": (4, 8), "depth": (1,), "down_depth": (1, 2), "pairs": (1, 2),
+                  "down_pairs": (1, 2)},
+    "hopper_bulk": {"num_warps": (4, 8), "down_num_warps": (4, 8), "down_pairs": (1, 2), "stages": (1, 2),
+                    "blocks_per_sm": (2, 6, 8)},
 }
-"""MoE kernel families: (title, module, function, tile grid swept)."""
+"""Tile grids swept per MoE decode backend (:data:`replicas.kernels.moe.TILE_KEYS`); each configuration
+runs the backend's kernel as :class:`replicas.kernels.moe.MoE` would (``moe_tiles``)."""
 
 
 def main(argv: list[str] | None = None) -> list[tuple]:
@@ -98,10 +87,11 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--top", type=int, default=6, help="configurations printed per kernel family")
-    p.add_argument("--kernels", default="simt,mma,scaled,gemv,tc,dense,attention",
-                   help="comma-separated kernel families to time: simt, mma, scaled, gemv, tc, dense, attention")
+    p.add_argument("--kernels", default=",".join([*MOE_GRIDS, "dense", "attention"]),
+                   help="comma-separated: MoE decode backends (triton_portable, triton_fp32, triton_tc, "
+                        "hopper_bulk), dense, attention")
     p.add_argument("--grid", default="{}",
-                   help='JSON: tile grids that replace a family\'s default one, e.g. \'{"tc": {"depth": [1, 2]}}\'')
+                   help='JSON: tile grids that replace a family\'s default one, e.g. \'{"triton_tc": {"depth": [1, 2]}}\'')
     args = p.parse_args(argv)
     families = set(args.kernels.split(","))
     grids = {name: {k: tuple(v) for k, v in grid.items()} for name, grid in json.loads(args.grid).items()}
@@ -126,22 +116,28 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     print(f"cuBLAS bf16 GEMV [{16 * i} x {h}] ({dense.numel() * 2 / 1e6:.1f} MB): {ms * 1e3:.1f} us, "
           f"{dense.numel() * 2 / ms / 1e6:.0f} GB/s")
     print(f"MoE: {t} token(s), {experts_used} experts read, {moved / 1e6:.1f} MB per call")
+    from types import SimpleNamespace
+
+    from replicas.kernels.moe import MoE, resolve_moe
+    from replicas.kernels.moe.triton_tc import mxfp4_activations
+
+    experts = SimpleNamespace(gate_up_proj_blocks=gu_b, gate_up_proj_scales=gu_s, gate_up_proj_bias=gu_bias,
+                              down_proj_blocks=dn_b, down_proj_scales=dn_s, down_proj_bias=dn_bias,
+                              alpha=1.702, limit=7.0)
+    x_mx = mxfp4_activations(x)  # the format the add+RMSNorm before them writes
     rows = []
-    for name, (title, module, fn_name, grid) in MOE_FAMILIES.items():
+    for name, grid in MOE_GRIDS.items():
         if name not in families:
             continue
-        kernel = getattr(importlib.import_module(module), fn_name)
 
-        extra = {}
-        if name in ("tc", "bulk"):  # their activations come in their own format from the launch before
-            from replicas.kernels.triton_moe_tc import mxfp4_activations
-            extra = {"x_mxfp4": mxfp4_activations(x)}
-
-        def call(kernel=kernel, extra=extra, **tiles):
+        def call(name=name, **tiles):
             turn[0] += 1
-            kernel(x, w, id_sets[turn[0] % len(id_sets)], gu_b, gu_s, gu_bias, dn_b, dn_s, dn_bias, 1.702, 7.0,
-                   **extra, **tiles)
-        rows += _sweep(title, call, grids.get(name, grid), args.top, moved / 1e6, prefix=name)
+            model_dtype = torch.float32 if name == "triton_fp32" else torch.bfloat16  # the backend's models
+            moe = MoE(resolve_moe(name, dev, model_dtype, repack=False, tiles=tiles), pdl=False)
+            ids = id_sets[turn[0] % len(id_sets)]
+            if moe.partials(x, w, ids, experts, x_mx if moe.takes_mxfp4_activations else None) is None:
+                moe(x, w, ids, experts)
+        rows += _sweep(name, call, grids.get(name, grid), args.top, moved / 1e6, prefix=name)
     if "dense" in families:
         rows += _bench_dense(dev)
     if "attention" in families:

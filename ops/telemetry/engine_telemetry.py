@@ -10,7 +10,8 @@ Spans (names and attributes from :mod:`ops.telemetry.tracing`):
 * ``generation``: one per request in the engine actor, child of the replica's
   ``replica.generate`` span through the ``traceparent`` carried in
   ``GenerateRequest.trace_context``; GenAI attributes (model, temperature,
-  max tokens, input/output tokens, finish reasons) plus ``lane``.
+  max tokens, input/output tokens, finish reasons) plus ``lane`` and the engine's kernel choices,
+  resolved once at load (``engine.moe_backend``, ``engine.pdl``, ...: :attr:`EngineTelemetry.settings`).
 * ``quantum``: one per persistent quantum, child of ``generation``, with the
   quantum's size, tokens emitted, finish reason and backend; its start and end
   are the launch's wall-clock times.
@@ -54,7 +55,7 @@ class RequestTelemetry:
         self.span = owner.tracer.start_span(SPAN_GENERATION, context=extract_context(g.trace_context), attributes={
             ATTR_LANE: owner.lane, ATTR_REQUEST_ID: g.request_id, ATTR_GEN_AI_MODEL: owner.model,
             ATTR_GEN_AI_TEMPERATURE: float(p.temperature), ATTR_GEN_AI_MAX_TOKENS: int(p.max_tokens),
-            ATTR_GEN_AI_INPUT_TOKENS: len(g.prompt_token_ids),
+            ATTR_GEN_AI_INPUT_TOKENS: len(g.prompt_token_ids), **owner.span_settings,
         })
 
     def scheduled(self) -> None:
@@ -113,11 +114,16 @@ class EngineTelemetry:
         backend: persistent backend name, or None.
         tracer: an OpenTelemetry tracer (``ops.telemetry.tracing.get_tracer()``).
         metrics: an ``ops.telemetry.metrics.ServeMetrics``.
+        settings: what the engine resolved at load (kernels, MoE backend, pipelining: the engine actor's
+            ``settings``); every ``generation`` span carries them as ``engine.<key>`` attributes.
     """
 
-    def __init__(self, lane: str, model: str, backend: str | None, tracer, metrics) -> None:
+    def __init__(self, lane: str, model: str, backend: str | None, tracer, metrics,
+                 settings: dict | None = None) -> None:
         self.lane, self.model, self.backend = lane, model, backend
         self.tracer, self.metrics = tracer, metrics
+        self.settings = dict(settings or {})
+        self.span_settings = {f"engine.{k}": _attribute(v) for k, v in self.settings.items() if v is not None}
 
     def start(self, g) -> RequestTelemetry:
         """Open the ``generation`` span of ``g`` (a ``GenerateRequest``)."""
@@ -132,10 +138,23 @@ class EngineTelemetry:
             self.metrics.decoder_health(self.backend or "none", bool(stats.get("decoder_healthy")))
 
 
-def build_engine_telemetry(lane: str, model: str, backend: str | None, tracing_config=None) -> EngineTelemetry:
-    """Set up tracing for this process (``tracing_config``: an ``ops.telemetry.tracing.TracingConfig``) and build the telemetry."""
+def _attribute(value):
+    """An OpenTelemetry attribute value: scalars as they are, lists of scalars as lists, the rest as JSON."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+        return list(value)
+    import json
+
+    return json.dumps(value, sort_keys=True)
+
+
+def build_engine_telemetry(lane: str, model: str, backend: str | None, tracing_config=None,
+                           settings: dict | None = None) -> EngineTelemetry:
+    """Set up tracing for this process (``tracing_config``: an ``ops.telemetry.tracing.TracingConfig``) and build
+    the telemetry (``settings``: see :class:`EngineTelemetry`)."""
     from ops.telemetry.metrics import get_metrics
     from ops.telemetry.tracing import get_tracer, setup_tracing
 
     setup_tracing(tracing_config)
-    return EngineTelemetry(lane, model, backend, get_tracer(), get_metrics())
+    return EngineTelemetry(lane, model, backend, get_tracer(), get_metrics(), settings)

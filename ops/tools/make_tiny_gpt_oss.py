@@ -13,7 +13,7 @@ The tensor names, shapes and dtypes written are :func:`tensor_shapes` of the
 config, the same function that gives the real checkpoints' catalog
 (:func:`shapes` ``("20b" | "120b")``) without materializing anything.
 Source of the real numbers: transformers' ``GptOssConfig`` defaults (the
-120b) and DESIGN.md "Models" (24 layers / 32 experts for the 20b).
+120b) and docs/design.md "Models" (24 layers / 32 experts for the 20b).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from replicas.models.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, quantize_mxfp4
+from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, quantize_mxfp4
 
 TOKENIZER_MODEL = "smollm2-135m-instruct"
 TOKENIZER_FILES = (

@@ -1,7 +1,7 @@
 """Kernels written in CUDA C++, compiled at run time with NVRTC and launched through the driver API.
 
 For what Triton does not let a kernel say: the MoE kernel of
-:mod:`replicas.kernels.cuda_moe_bulk` stages its weights in shared memory with
+:mod:`replicas.kernels.moe.hopper_bulk` stages its weights in shared memory with
 Hopper's bulk copies (``cp.async.bulk`` completing on an ``mbarrier``), which
 needs a dynamic shared-memory size that the kernel chooses itself.
 

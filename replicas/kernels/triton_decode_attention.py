@@ -1,7 +1,7 @@
 """Triton paged decode attention for one query token (batch one), CUDA-graph capturable.
 
 Same contract as the torch reference
-:func:`replicas.kernels.static_decode.static_decode_attention`: the context
+:func:`replicas.kernels.decode_ops.static_decode_attention`: the context
 length is read from device memory, so one compiled kernel (and one captured
 graph) serves every length; unlike the reference it reads only the pages that
 hold visible keys (``ceil(context_len / 16)`` of them, or the window's), not the
@@ -34,9 +34,8 @@ SPLITS = 16
 FEW_HEADS_SPLITS = 32
 """Split count when at most 8 (sequence, KV head) pairs share the launch (batch one: gpt-oss's 8 KV heads,
 SmolLM2's 3). A split covers ``cdiv(cdiv(context, splits), 64) * 64`` tokens, so at 1,152 tokens 16 splits
-leave 9 programs per KV head with two 64-token iterations each, and 32 leave 18 with one. Inside
-gpt-oss-120b's decode step (CUDA-graph replay, one H200) 32 splits took 28 µs per token less than 16, and 8
-took 50 µs more (``docs/benchmarks.md``, GPT-OSS item 15)."""
+leave 9 programs per KV head with two dependent 64-token iterations each, and 32 leave 18 with one
+(``docs/benchmarks.md`` compares 8, 16 and 32 inside the decode step)."""
 
 
 ONE_PASS_WINDOW = 128
@@ -47,8 +46,8 @@ the merge launch. 0 turns it off."""
 
 
 ONE_PASS_BLOCK = 128
-"""Keys per iteration of the one-pass (windowed) launch: 128, a whole gpt-oss window in one tile
-(gpt-oss-120b decode 2.042 ms/token against 2.063 with 64, same H200 call)."""
+"""Keys per iteration of the one-pass (windowed) launch: 128, a whole gpt-oss window in one tile, so a
+program makes one iteration (``docs/benchmarks.md`` compares it with 64-key tiles)."""
 
 ONE_PASS_WARPS = 4
 """Warps per program of the one-pass (windowed) launch."""
@@ -171,7 +170,7 @@ def triton_decode_attention(
     query: torch.Tensor, key_plane: torch.Tensor, value_plane: torch.Tensor,
     block_table: torch.Tensor, context_len: torch.Tensor, scale: float, *,
     sinks: torch.Tensor | None = None, sliding_window: int | None = None, num_splits: int | None = None,
-    workspace: dict | None = None,
+    workspace: dict | None = None, pdl: bool = True,
 ) -> torch.Tensor:
     """Decode attention of ``query`` ``[B, H, D]`` (one token per sequence) over each sequence's paged
     context; see the module docstring.
@@ -197,7 +196,7 @@ def triton_decode_attention(
     out = torch.empty_like(query)
     q = query.contiguous()
     common = dict(G=group, GP=gp, D=head_dim, PAGE=PAGE_SIZE, HAS_WINDOW=sliding_window is not None,
-                  PRECISION="ieee" if query.dtype == torch.float32 else None, **pdl_args(q))
+                  PRECISION="ieee" if query.dtype == torch.float32 else None, **pdl_args(q, pdl))
     args = (q, key_plane, value_plane, block_table, context_len)
     strides = (scale, key_plane.stride(0), key_plane.stride(1), key_plane.stride(2), num_splits,
                sliding_window or 0, block_table.stride(0), kvh, context_len.stride(0))
@@ -219,6 +218,6 @@ def triton_decode_attention(
     _merge_kernel[(kvh, group, batch)](
         ws["m"], ws["l"], ws["o"], sinks if sinks is not None else q, out, num_splits, kvh,
         G=group, GP=gp, D=head_dim, SPLITS_P=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
-        **pdl_args(q),
+        **pdl_args(q, pdl),
     )
     return out

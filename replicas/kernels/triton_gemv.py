@@ -1,11 +1,10 @@
 """Triton kernel: batch-one dense GEMV ``y = W x + b`` (bf16/fp16 weights, fp32 sums).
 
-Why not cuBLAS: at one token, GPT-OSS's attention projections (qkv 2880 →
-5120, o 4096 → 2880) and router (2880 → 128) are small enough that cuBLAS's
-choices leave bandwidth unused: on an H200 its qkv GEMV ran at ~2.8 TB/s, the
-o projection took a split-K kernel plus a reduce launch, and the 0.7 MB router
-took a split-K kernel plus a reduce as well (``docs/benchmarks.md``, profile
-of the gpt-oss-120b shape). Here one launch reads each weight row once, every
+At one token, GPT-OSS's attention projections (qkv 2880 → 5120, o 4096 →
+2880) and router (2880 → 128) are small enough that cuBLAS's kernel choices
+leave bandwidth unused (a split-K kernel plus a reduce launch for the o
+projection and the router; ``docs/benchmarks.md`` has the comparison). Here
+one launch reads each weight row once, every
 thread issuing its next 16-byte loads before the current step's arithmetic
 (a batch-one GEMV has nothing else to hide DRAM latency with), sums in fp32,
 adds the bias and rounds once.
@@ -88,14 +87,14 @@ def _weight_rows(weight: torch.Tensor, k: int, swiglu: bool, who: str) -> tuple[
 
 def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 block_n: int = 4, block_k: int | None = None, num_warps: int | None = None,
-                swiglu: bool = False) -> torch.Tensor:
+                swiglu: bool = False, pdl: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for one row: ``x`` ``[1, K]``, ``weight`` ``[N, K]`` (unit stride along
     K), ``bias`` ``[N]`` or None → ``[1, N]`` in ``x.dtype``, summed in fp32.
 
-    Tile defaults (``block_k``/``num_warps`` None): the fastest of ``python -m ops.bench.kernels
-    --kernels dense`` on an H200 at gpt-oss-120b's shapes: 256 columns and 4 warps for the qkv and o
-    projections (9.4 and 8.2 us: 3.1 and 2.9 TB/s), 512 columns and 8 warps for narrow outputs such as the
-    router (N = 128: 2.1 us, where cuBLAS took 6.1 us).
+    Tile defaults (``block_k``/``num_warps`` None): 256 columns and 4 warps for outputs wider than 256
+    rows (the qkv and o projections), 512 columns and 8 warps for narrower ones such as the router
+    (N = 128): the best that ``python -m ops.bench.kernels --kernels dense`` found on an H200 at
+    gpt-oss-120b's shapes (``docs/benchmarks.md``).
 
     ``swiglu``: ``weight`` is ``[2N, K]``, gate rows over up rows (Llama's fused ``gate_up_proj``), and the
     result is ``silu(gate) * up`` ``[1, N]`` (Shazeer 2020), from the fp32 sums, rounded once.
@@ -114,7 +113,7 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x.contiguous(), weight, bias if bias is not None else weight, y, n, weight.stride(0), x, x, x, 0.0,
         K=k, BN=block_n, BK=min(block_k, triton.next_power_of_2(k)), HAS_BIAS=bias is not None, SWIGLU=swiglu,
-        NORM=False, HAS_DELTA=False, WEIGHT_FP32=False, num_warps=num_warps, **pdl_args(x),
+        NORM=False, HAS_DELTA=False, WEIGHT_FP32=False, num_warps=num_warps, **pdl_args(x, pdl),
     )
     return y
 
@@ -126,7 +125,7 @@ NORM_MAX_K = 4096
 def triton_add_rmsnorm_gemv(residual: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
                             eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
                             weight_in_fp32: bool = False, swiglu: bool = False, block_n: int = 4,
-                            num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                            num_warps: int = 4, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add, the RMSNorm and the projection after them in one launch: ``x = residual + delta``,
     ``(x, F.linear(rmsnorm(x) * norm_weight, weight, bias))`` (with ``swiglu``, as :func:`triton_gemv`).
 
@@ -157,6 +156,6 @@ def triton_add_rmsnorm_gemv(residual: torch.Tensor, delta: torch.Tensor | None, 
         delta.contiguous() if delta is not None else residual, weight, bias if bias is not None else weight, y, n,
         weight.stride(0), residual, norm_weight, x_new, eps,
         K=k, BN=block_n, BK=triton.next_power_of_2(k), HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=True,
-        HAS_DELTA=delta is not None, WEIGHT_FP32=weight_in_fp32, num_warps=num_warps, **pdl_args(residual),
+        HAS_DELTA=delta is not None, WEIGHT_FP32=weight_in_fp32, num_warps=num_warps, **pdl_args(residual, pdl),
     )
     return x_new, y

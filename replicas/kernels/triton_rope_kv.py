@@ -58,7 +58,7 @@ def _rope_kv_kernel(
 
 def triton_rope_kv(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: torch.Tensor, block_table: torch.Tensor,
-    key_plane: torch.Tensor, value_plane: torch.Tensor, num_heads: int, num_kv_heads: int,
+    key_plane: torch.Tensor, value_plane: torch.Tensor, num_heads: int, num_kv_heads: int, pdl: bool = True,
 ) -> torch.Tensor:
     """Rotate q/k of one token per sequence, write k and v into the cache, return rotated q.
 
@@ -82,7 +82,7 @@ def triton_rope_kv(
         qkv.contiguous(), cos, sin, position, block_table, q, key_plane, value_plane,
         cos.stride(0), key_plane.stride(0), key_plane.stride(1), key_plane.stride(2), block_table.stride(0),
         position.stride(0), H=num_heads, KVH=num_kv_heads, D=head_dim, HALF=head_dim // 2, PAGE=PAGE_SIZE,
-        **pdl_args(qkv),
+        **pdl_args(qkv, pdl),
     )
     return q
 

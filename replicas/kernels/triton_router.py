@@ -7,13 +7,13 @@ glue) with one launch; the logits themselves come from the router's GEMV.
 
 At batch one the decode step instead runs :func:`triton_add_rmsnorm_route`:
 the residual add and RMSNorm after attention, the router GEMV and the top-k in
-one launch (three before). Every program recomputes the norm (2,880 values
+one launch instead of three. Every program recomputes the norm (2,880 values
 from L2) and takes four experts' logits; the last program to finish (a global
 arrival counter: :mod:`replicas.kernels.grid_sync`) picks the top k.
 
 Ties pick the lowest expert id first (``torch.topk`` leaves tie order
 unspecified, so tests use logits without ties). Reference:
-:func:`replicas.kernels.moe.router_topk_reference`.
+:func:`replicas.kernels.reference.router_topk_reference`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from replicas.kernels.grid_sync import arrive, gpu_fence
+from replicas.kernels.moe.triton_tc import X_SCALE, mma_position
 from replicas.kernels.pdl import pdl_args, pdl_wait
-from replicas.kernels.triton_moe_tc import X_SCALE, mma_position
 from replicas.kernels.triton_rmsnorm import rmsnorm_row
 
 
@@ -32,7 +32,7 @@ from replicas.kernels.triton_rmsnorm import rmsnorm_row
 def _topk_softmax(vals, offs, w_ptr, ids_ptr, K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr):
     """Store the softmax of the ``K`` largest of ``vals`` ``[EP]`` fp32 (ids ``offs``; padding ``-inf``) at
     ``w_ptr`` and their ids (int64; decreasing logit, ties to the lowest id) at ``ids_ptr``: ``K`` rounds of
-    arg-max. (Ranking all values at once, one ``[EP, EP]`` comparison, measured slower on an H200.)"""
+    arg-max (``docs/benchmarks.md`` compares this with ranking all values at once)."""
     offs_k = tl.arange(0, KP)
     top = tl.full([KP], float("-inf"), tl.float32)
     idx = tl.zeros([KP], tl.int32)
@@ -60,7 +60,7 @@ def _router_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, EP: tl.c
     _topk_softmax(vals, offs, w_ptr + token * K, ids_ptr + token * K, K, EP, KP)
 
 
-def triton_router_topk(logits: torch.Tensor, k: int, weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_router_topk(logits: torch.Tensor, k: int, weight_dtype: torch.dtype, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` softmax routing.
 
     Args:
@@ -76,7 +76,7 @@ def triton_router_topk(logits: torch.Tensor, k: int, weight_dtype: torch.dtype) 
     w = torch.empty(t, k, dtype=weight_dtype, device=logits.device)
     ids = torch.empty(t, k, dtype=torch.int64, device=logits.device)
     _router_topk_kernel[(t,)](logits, w, ids, e, K=k, EP=triton.next_power_of_2(e),
-                              KP=triton.next_power_of_2(k), **pdl_args(logits))
+                              KP=triton.next_power_of_2(k), **pdl_args(logits, pdl))
     return w, ids
 
 
@@ -119,7 +119,7 @@ def _add_rmsnorm_route_kernel(res_ptr, delta_ptr, nw_ptr, rw_ptr, rb_ptr, x_out_
 def triton_add_rmsnorm_route(residual: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                              router_weight: torch.Tensor, router_bias: torch.Tensor, k: int,
                              mxfp4_out: bool = False, workspace: dict | None = None, block_n: int = 4,
-                             num_warps: int = 8) -> tuple[torch.Tensor, ...]:
+                             num_warps: int = 8, pdl: bool = True) -> tuple[torch.Tensor, ...]:
     """GPT-OSS's post-attention residual add + RMSNorm (weight applied in fp32), router GEMV and top-k
     softmax for one token, in one launch.
 
@@ -132,7 +132,7 @@ def triton_add_rmsnorm_route(residual: torch.Tensor, delta: torch.Tensor, norm_w
         norm_weight: ``[hidden]``; eps: the norm's epsilon.
         router_weight: ``[E, hidden]`` contiguous; router_bias: ``[E]``; k: experts per token.
         mxfp4_out: also return ``h`` in the tensor-core MoE kernels' activation format
-            (:func:`~replicas.kernels.triton_moe_tc.mxfp4_activations`).
+            (:func:`~replicas.kernels.moe.triton_tc.mxfp4_activations`).
         workspace: dict reused across calls for the logits and the arrival counter (keeps a captured graph's
             buffers fixed; the counter is back at 0 after every launch). One decode stream per workspace.
         block_n, num_warps: experts per program (``cdiv(E, block_n)`` programs) and warps per program.
@@ -165,6 +165,6 @@ def triton_add_rmsnorm_route(residual: torch.Tensor, delta: torch.Tensor, norm_w
         residual, delta, norm_weight, router_weight, router_bias, x, h, h_mx if mxfp4_out else h,
         ws["route_logits"], ws["route_counter"], w, ids, e, eps, HIDDEN=hidden, BH=triton.next_power_of_2(hidden),
         BN=block_n, K=k, EP=triton.next_power_of_2(e), KP=triton.next_power_of_2(k), MXFP4_OUT=mxfp4_out,
-        FENCE=residual.is_cuda and not torch.version.hip, num_warps=num_warps, **pdl_args(residual),
+        FENCE=residual.is_cuda and not torch.version.hip, num_warps=num_warps, **pdl_args(residual, pdl),
     )
     return x, h, h_mx, w, ids

@@ -2,8 +2,8 @@
 
 Read top to bottom: YaRN RoPE → attention (biases, per-head sinks,
 128-token sliding window on ``sliding_attention`` layers) → MoE (top-k router,
-MXFP4 experts with the clamped SwiGLU) → decoder layer → model (RMSNorm and the
-half-split rotation: :mod:`replicas.models.layers`). Module and
+MXFP4 experts with the clamped SwiGLU) → decoder layer → model (RMSNorm:
+:mod:`replicas.models.layers`; the half-split rotation: :mod:`replicas.kernels.reference`). Module and
 tensor names mirror transformers' ``GptOssForCausalLM`` and the HF checkpoint
 (experts as ``*_blocks``/``*_scales``), so safetensors load by name;
 transformers is our test reference, not our runtime. Shapes: ``T`` = new
@@ -28,28 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replicas.kernels.moe import (
-    GROUPED_MAX_TOKENS,
-    add_rmsnorm_route,
-    moe,
-    moe_add_rmsnorm,
-    moe_reference,
-    moe_takes_mxfp4,
-    prepare_decode_layout,
-    restore_checkpoint_layout,
-    route,
-)
+from replicas.kernels.decode_ops import DecodeOps
+from replicas.kernels.moe import DECODE_MAX_TOKENS
+from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, MXFP4Error, check_mxfp4
+from replicas.kernels.moe.reference import moe_reference
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
-from replicas.kernels.static_decode import add_rmsnorm, decode_attention, linear, rope_kv_write
+from replicas.kernels.reference import apply_rope_half
 from replicas.models.gpt_oss_config import GptOssConfig, YarnScaling
-from replicas.models.layers import RMSNorm, apply_rope_half
+from replicas.models.layers import RMSNorm
 from replicas.models.loader import load_safetensors
-from replicas.models.mxfp4 import (
-    BLOCK_SIZE,
-    BYTES_PER_BLOCK,
-    MXFP4Error,
-    check_mxfp4,
-)
 
 KVPlanes = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer ``(key_plane, value_plane)``, each ``[num_blocks, PAGE_SIZE, KVH, D]``."""
@@ -134,8 +121,9 @@ class Attention(nn.Module):
             start += rows
         self._qkv = (weight, bias)
 
-    def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, (H + 2 KVH) D]``: q, k, v projections (with biases) in one output."""
+    def qkv_proj(self, x: torch.Tensor, linear=F.linear) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, (H + 2 KVH) D]``: q, k, v projections (with biases) in one output, one
+        ``linear(x, weight, bias)`` call once :meth:`fuse_qkv` ran (the decode step passes its GEMV)."""
         fused = self._qkv
         if fused is None or fused[0].data_ptr() != self.q_proj.weight.data_ptr():
             return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
@@ -173,18 +161,6 @@ class Router(nn.Module):
         return torch.softmax(top, dim=-1), idx
 
 
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """GPT-OSS's SwiGLU on interleaved ``[..., 2I]`` → ``[..., I]`` (transformers' ``GptOssExperts._apply_gate``).
-
-    ``gate = min(x[..., ::2], limit)``, ``up = clamp(x[..., 1::2], -limit, limit)``,
-    ``out = (up + 1) * gate * sigmoid(alpha * gate)``; alpha 1.702, limit 7.0.
-    """
-    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-
 class Experts(nn.Module):
     """``E`` MXFP4 experts, kept packed; each routed expert is dequantized on the fly.
 
@@ -193,8 +169,9 @@ class Experts(nn.Module):
         down_proj_blocks: uint8 ``[E, hidden, I/32, 16]``; down_proj_scales: uint8 ``[E, hidden, I/32]``.
     Parameters: gate_up_proj_bias ``[E, 2I]``, down_proj_bias ``[E, hidden]``.
     Gate and up rows are interleaved: row ``2j`` is gate ``j``, row ``2j + 1`` is up ``j``.
-    After :meth:`GptOssForCausalLM.prepare_decode_layout` repacked them (``decode_layout`` True), the
-    ``*_blocks`` hold :mod:`replicas.kernels.mxfp4_decode_layout`'s bit layout, not the checkpoint's.
+    Once the model's MoE backend repacked them at load (:meth:`GptOssForCausalLM.use_ops`;
+    ``decode_layout`` True), the ``*_blocks`` hold :mod:`replicas.kernels.moe.decode_layout`'s bit layout,
+    not the checkpoint's.
     """
 
     def __init__(self, cfg: GptOssConfig):
@@ -212,23 +189,29 @@ class Experts(nn.Module):
         """``x [T, hidden]``, routing ``weights``/``idx`` ``[T, K]`` → ``sum_k w_k * expert_k(x)`` ``[T, hidden]``.
 
         Experts are visited in increasing id, as transformers' ``GptOssExperts.forward``
-        (:func:`~replicas.kernels.moe.moe_reference`).
+        (:func:`~replicas.kernels.moe.reference.moe_reference`).
         """
         return moe_reference(x, weights, idx, self)
 
 
 class MLP(nn.Module):
-    """Mixture of experts: route, then the weighted sum of the K chosen experts."""
+    """Mixture of experts: route, then the weighted sum of the K chosen experts.
+
+    ``ops`` (set by :meth:`GptOssForCausalLM.use_ops`) decides the kernels: with Triton, the router's
+    top-k kernel and the model's MoE backend (its decode kernel for up to
+    :data:`~replicas.kernels.moe.DECODE_MAX_TOKENS` tokens, dequantize-then-GEMM above); with the torch
+    references, :class:`Router` and :class:`Experts` as transformers computes them."""
 
     def __init__(self, cfg: GptOssConfig):
         super().__init__()
         self.router = Router(cfg)
         self.experts = Experts(cfg)
+        self.ops = DecodeOps.reference(moe=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # Triton routing + packed-MXFP4 kernels for decode-sized batches
-            weights, idx = route(self.router, x)
-            return moe(x, weights, idx, self.experts)
+        if self.ops.triton:
+            weights, idx = self.ops.route(self.router, x)
+            return self.ops.moe(x, weights, idx, self.experts)
         weights, idx = self.router(x)  # [T, K]
         return self.experts(x, weights, idx)
 
@@ -271,6 +254,7 @@ class GptOssForCausalLM(nn.Module):
         self.model = GptOssBackbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg)
+        self.ops = DecodeOps.reference(moe=True)  # the kernels: use_ops() sets the ones resolved at load
         self._decode_workspace: dict = {}  # scratch of the Triton decode attention, reused by every layer
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_pos, D/2] fp32
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -285,37 +269,42 @@ class GptOssForCausalLM(nn.Module):
         x = self.model.norm(x[meta.last_token_indices.to(x.device)])  # [B, hidden]
         return self.lm_head(x).float()  # [B, vocab]
 
-    compile_decode_step = False
-    """The decode step is already our Triton kernels plus the cuBLAS LM head; Inductor has nothing left to fuse."""
+    config_class = GptOssConfig
+    """The config type ``config.json`` parses into."""
 
-    max_decode_graph_batch = GROUPED_MAX_TOKENS
-    """Standard-lane decode CUDA graphs up to ``GROUPED_MAX_TOKENS`` sequences: above it the MoE
-    dequantizes the routed experts (a host sync, not capturable). They were off until 2026-11-30: the
-    graphs' staging buffer passes positions as a strided column, and the RoPE/KV-write kernel read them
-    as if contiguous, so rows 1.. of a graphed batch were rotated and cached at wrong positions (0/20
-    prompts matched the persistent lane on the H200)."""
+    uses_moe = True
+    """The model has experts: its :class:`DecodeOps` are built with a MoE backend."""
+
+    @property
+    def max_decode_graph_batch(self) -> int | None:
+        """Largest standard-lane decode CUDA-graph batch: no limit when the MoE's prefill path is the grouped
+        GEMMs (capturable at any batch, :attr:`~replicas.kernels.moe.MoE.capturable_at_any_batch`), else
+        :data:`~replicas.kernels.moe.DECODE_MAX_TOKENS` (above it the experts are dequantized: a host
+        sync, not capturable)."""
+        moe = self.ops.moe
+        return None if moe is not None and moe.capturable_at_any_batch else DECODE_MAX_TOKENS
+
+    def use_ops(self, ops: DecodeOps) -> GptOssForCausalLM:
+        """Run on ``ops`` (resolved once at load by :func:`replicas.models.registry.load_model`): every layer's
+        MoE and the decode step use its kernels, and the experts are repacked in place when its MoE backend
+        reads the repacked layout. Call once the weights are loaded, before any CUDA graph is captured;
+        returns ``self``.
+
+        Raises:
+            ValueError: ``ops`` has no MoE backend."""
+        if ops.moe is None:
+            raise ValueError("GPT-OSS needs DecodeOps with a MoE backend")
+        self.ops = ops
+        for layer in self.model.layers:
+            layer.mlp.ops = ops
+            ops.moe.prepare(layer.mlp.experts)
+        return self
 
     def fuse_qkv(self) -> GptOssForCausalLM:
         """Fuse every layer's q/k/v projections (:meth:`Attention.fuse_qkv`); returns ``self``."""
         for layer in self.model.layers:
             layer.self_attn.fuse_qkv()
         return self
-
-    def prepare_decode_layout(self) -> GptOssForCausalLM:
-        """Repack every layer's experts for the decode MoE kernels where they will run them
-        (:func:`~replicas.kernels.moe.prepare_decode_layout`: CUDA, bf16, Hopper); returns ``self``. Call
-        once the weights are loaded, before any CUDA graph is captured."""
-        for layer in self.model.layers:
-            prepare_decode_layout(layer.mlp.experts)
-        return self
-
-    def relayout_experts(self) -> GptOssForCausalLM:
-        """Put the experts in the layout the current MoE settings want (checkpoint layout, then
-        :meth:`prepare_decode_layout`), e.g. after a benchmark changed :data:`replicas.kernels.moe.MOE_KERNEL`;
-        returns ``self``. CUDA graphs captured before read the new layout."""
-        for layer in self.model.layers:
-            restore_checkpoint_layout(layer.mlp.experts)
-        return self.prepare_decode_layout()
 
     def decode_static(
         self, token: torch.Tensor, position: torch.Tensor, block_table: torch.Tensor, kv_planes: KVPlanes
@@ -339,21 +328,24 @@ class GptOssForCausalLM(nn.Module):
             ``[B, vocab]`` logits for each sequence's next token, in the LM head's dtype (one
             conversion launch fewer per step; callers that sample convert).
         """
+        ops = self.ops
         context_len = position + 1
         layers = self.model.layers
         x = self.model.embed_tokens(token)  # [B, hidden]
-        _, h = add_rmsnorm(x, None, layers[0].input_layernorm, True)
-        mx = moe_takes_mxfp4(h, layers[0].mlp.experts)  # the post-attention norm also writes their format
+        _, h = ops.add_rmsnorm(x, None, layers[0].input_layernorm, True)
+        # the post-attention norm also writes the MoE kernels' activation format when they read it
+        mx = ops.takes_mxfp4_activations and x.shape[0] <= DECODE_MAX_TOKENS
         for i, (layer, (kp, vp)) in enumerate(zip(layers, kv_planes, strict=True)):
             attn = layer.self_attn
-            q = rope_kv_write(attn, h, self.rope_cos, self.rope_sin, position, block_table, kp, vp)  # [1, H, D]
-            o = decode_attention(q, kp, vp, block_table, context_len, attn.scale, sinks=attn.sinks,
-                                 sliding_window=attn.sliding_window, workspace=self._decode_workspace)
-            o = linear(o.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
-            x, h, h_mx, weights, ids = add_rmsnorm_route(x, o, layer.post_attention_layernorm, layer.mlp.router,
-                                                         mxfp4_out=mx, workspace=self._decode_workspace)
+            q = ops.rope_kv_write(attn, h, self.rope_cos, self.rope_sin, position, block_table, kp, vp,
+                                  qkv=attn.qkv_proj(h, ops.linear))  # [B, H, D]
+            o = ops.decode_attention(q, kp, vp, block_table, context_len, attn.scale, sinks=attn.sinks,
+                                     sliding_window=attn.sliding_window, workspace=self._decode_workspace)
+            o = ops.linear(o.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
+            x, h, h_mx, weights, ids = ops.add_rmsnorm_route(x, o, layer.post_attention_layernorm, layer.mlp.router,
+                                                             mxfp4_out=mx, workspace=self._decode_workspace)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, h = moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True, x_mxfp4=h_mx)
+            x, h = ops.moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True, x_mxfp4=h_mx)
         return self.lm_head(h)  # the LM head's dtype: greedy quanta take the argmax as it is
 
     @classmethod
@@ -382,14 +374,29 @@ class GptOssForCausalLM(nn.Module):
         model.load_state_dict(weights, strict=True, assign=True)
         cos, sin = rope_tables(cfg)
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-        return model.eval().fuse_qkv().prepare_decode_layout()
+        return model.eval().fuse_qkv()
+
+    @classmethod
+    def from_config(
+        cls, cfg: GptOssConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
+    ) -> GptOssForCausalLM:
+        """A model of ``cfg``'s shape with random weights generated on ``device``
+        (:func:`replicas.models.dummy.randomize_`: experts random packed MXFP4); ``load_format=dummy``."""
+        from replicas.models.dummy import randomize_
+
+        with torch.device("meta"):
+            model = cls(cfg).to(dtype)
+        model = randomize_(model.to_empty(device=device), seed)
+        cos, sin = rope_tables(cfg)
+        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+        return model.eval().fuse_qkv()
 
 
 def check_weights(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], path) -> None:
     """Every expected tensor present with its shape and kind; raise ``ValueError`` naming the first bad one.
 
     ``expected`` is the (meta) model's state dict. Packed experts are checked
-    pairwise by :func:`~replicas.models.mxfp4.check_mxfp4`.
+    pairwise by :func:`~replicas.kernels.moe.mxfp4.check_mxfp4`.
     """
     missing = sorted(expected.keys() - weights.keys())
     unexpected = sorted(weights.keys() - expected.keys())

@@ -16,14 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replicas.kernels.decode_ops import DecodeOps
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
-from replicas.kernels.static_decode import (
-    add_rmsnorm,
-    add_rmsnorm_linear,
-    decode_attention,
-    linear,
-    rope_kv_write,
-)
 from replicas.models.config import ModelConfig
 from replicas.models.layers import RMSNorm
 from replicas.models.loader import load_safetensors
@@ -134,8 +128,11 @@ class LlamaForCausalLM(nn.Module):
     for the last new token of each of the ``B`` sequences in ``meta``.
     """
 
-    compile_decode_step = False
-    """:meth:`decode_static` is our kernels already: nothing left for Inductor to fuse."""
+    config_class = ModelConfig
+    """The config type ``config.json`` parses into."""
+
+    uses_moe = False
+    """A dense model: its :class:`DecodeOps` have no MoE backend."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -143,6 +140,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBackbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.ops = DecodeOps.reference()  # the kernels: use_ops() sets the ones resolved at load
         self._decode_workspace: dict = {}  # scratch of the Triton decode kernel, reused by every layer
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -162,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """One greedy-decode step with static shapes and no host sync (CUDA-graph capturable).
 
-        Per layer on CUDA at batch one in bf16/fp16 (:mod:`replicas.kernels.static_decode`): residual add +
+        Per layer on CUDA at batch one in bf16/fp16 (:mod:`replicas.kernels.decode_ops`): residual add +
         RMSNorm + qkv GEMV (1 Triton launch), RoPE + KV write (1), split-K attention (2), o_proj GEMV (1),
         residual add + RMSNorm + gate_up GEMV with the SwiGLU in its epilogue (1), down GEMV (1); the last
         residual add + the final norm (1) before the LM head. Torch references of the same steps elsewhere
@@ -179,21 +177,23 @@ class LlamaForCausalLM(nn.Module):
             ``[B, vocab]`` logits for each sequence's next token, in the LM head's dtype (one
             conversion launch fewer per step; callers that sample convert).
         """
+        ops = self.ops
         context_len = position + 1
         x = self.model.embed_tokens(token)  # [B, hidden]
         m = None  # the MLP output not yet added to the residual stream x
         for layer, (kp, vp) in zip(self.model.layers, kv_planes, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            x, qkv = add_rmsnorm_linear(x, m, layer.input_layernorm, False, attn.qkv_proj.weight,
-                                        attn.qkv_proj.bias)
-            q = rope_kv_write(attn, x, self.rope_cos, self.rope_sin, position, block_table, kp, vp,
-                              qkv=qkv)  # [B, H, D]; k and v are in the cache
-            o = decode_attention(q, kp, vp, block_table, context_len, attn.scale, workspace=self._decode_workspace)
-            o = linear(o.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
-            x, g = add_rmsnorm_linear(x, o, layer.post_attention_layernorm, False, mlp.gate_up_proj.weight,
-                                      swiglu=True)
-            m = linear(g, mlp.down_proj.weight)
-        _, h = add_rmsnorm(x, m, self.model.norm, False)
+            x, qkv = ops.add_rmsnorm_linear(x, m, layer.input_layernorm, False, attn.qkv_proj.weight,
+                                            attn.qkv_proj.bias)
+            q = ops.rope_kv_write(attn, x, self.rope_cos, self.rope_sin, position, block_table, kp, vp,
+                                  qkv=qkv)  # [B, H, D]; k and v are in the cache
+            o = ops.decode_attention(q, kp, vp, block_table, context_len, attn.scale,
+                                     workspace=self._decode_workspace)
+            o = ops.linear(o.reshape(x.shape[0], -1), attn.o_proj.weight, attn.o_proj.bias)
+            x, g = ops.add_rmsnorm_linear(x, o, layer.post_attention_layernorm, False, mlp.gate_up_proj.weight,
+                                          swiglu=True)
+            m = ops.linear(g, mlp.down_proj.weight)
+        _, h = ops.add_rmsnorm(x, m, self.model.norm, False)
         return self.lm_head(h)  # the LM head's dtype: greedy quanta take the argmax as it is
 
     @classmethod
@@ -224,3 +224,27 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
         return model.eval()
+
+    @classmethod
+    def from_config(
+        cls, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
+    ) -> LlamaForCausalLM:
+        """A model of ``cfg``'s shape with random weights generated on ``device``
+        (:func:`replicas.models.dummy.randomize_`); ``load_format=dummy``. Tied embeddings stay tied."""
+        from replicas.models.dummy import randomize_
+
+        with torch.device("meta"):
+            model = cls(cfg).to(dtype)
+        model = model.to_empty(device=device)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        randomize_(model, seed)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+        return model.eval()
+
+    def use_ops(self, ops: DecodeOps) -> LlamaForCausalLM:
+        """Run the decode step on ``ops`` (resolved once at load by :func:`replicas.models.registry.load_model`);
+        returns ``self``."""
+        self.ops = ops
+        return self

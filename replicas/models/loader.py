@@ -10,8 +10,7 @@ A model is named by one of:
   tokenizer files).
 
 GGUF files are converted once (transformers de-quantizes them, ~20 s for
-SmolLM2) into an HF directory under the cache (``$PERSISTENT_SERVE_CACHE`` or
-``~/.cache/persistent-serve``) and reused afterwards. Conversion takes a file
+SmolLM2) into an HF directory under the cache (:func:`replicas.envs.cache_dir`) and reused afterwards. Conversion takes a file
 lock and publishes the directory atomically, so replicas starting together
 convert once.
 """
@@ -44,7 +43,7 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def cache_root() -> Path:
-    """Directory for converted checkpoints (``$PERSISTENT_SERVE_CACHE`` or ``~/.cache/persistent-serve``)."""
+    """Directory for converted checkpoints (:func:`replicas.envs.cache_dir`)."""
     return envs.cache_dir()
 
 

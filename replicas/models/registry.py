@@ -1,25 +1,25 @@
-"""Pick the model class for a checkpoint directory by its ``config.json`` ``model_type``.
+"""Pick the model class for a checkpoint directory by its ``config.json`` ``model_type``, load it, and
+give it the kernels resolved for this device.
 
-Every model class offers ``from_pretrained(path, dtype, device, progress)``, a
-``config`` with at least ``model_type``, ``vocab_size``, ``num_layers``,
-``num_kv_heads``, ``head_dim``, ``max_position_embeddings`` and
-``eos_token_ids``, and ``forward(input_ids [T], meta, kv_planes) -> [B, vocab]``
-fp32 logits over the paged KV cache.
+Every model class offers ``from_pretrained(path, dtype, device, progress)``, ``from_config(cfg, dtype,
+device, seed)`` (random weights), ``config_class`` (its config's ``from_dir``), ``uses_moe``,
+``use_ops(ops)``, a ``config`` with at least ``model_type``, ``vocab_size``, ``num_layers``,
+``num_kv_heads``, ``head_dim``, ``max_position_embeddings`` and ``eos_token_ids``,
+``forward(input_ids [T], meta, kv_planes) -> [B, vocab]`` fp32 logits over the paged KV cache, and
+``decode_static(token [B], position [B], block_table, kv_planes) -> [B, vocab]`` (the capturable step).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import torch
 
-MODEL_CLASSES: dict[str, str] = {
-    "llama": "replicas.models.llama:LlamaForCausalLM",
-    "gpt_oss": "replicas.models.gpt_oss:GptOssForCausalLM",
-}
-"""``model_type`` → ``module:Class``."""
+from replicas.kernels.decode_ops import DecodeOps
+
+MODEL_TYPES = ("llama", "gpt_oss")
+"""The ``config.json`` ``model_type`` values we serve."""
 
 
 def model_class(path: str | Path):
@@ -33,12 +33,43 @@ def model_class(path: str | Path):
     if not cfg.is_file():
         raise FileNotFoundError(f"{path} is not a model directory: config.json is missing")
     model_type = json.loads(cfg.read_text()).get("model_type", "")
-    if model_type not in MODEL_CLASSES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_CLASSES))}")
-    module, name = MODEL_CLASSES[model_type].split(":")
-    return getattr(importlib.import_module(module), name)
+    if model_type == "llama":
+        from replicas.models.llama import LlamaForCausalLM
+
+        return LlamaForCausalLM
+    if model_type == "gpt_oss":
+        from replicas.models.gpt_oss import GptOssForCausalLM
+
+        return GptOssForCausalLM
+    raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str, progress: bool = True):
-    """Build the right model class for ``path`` and load its weights."""
-    return model_class(path).from_pretrained(path, dtype=dtype, device=device, progress=progress)
+def model_config(path: str | Path):
+    """The parsed ``config.json`` of ``path`` in its model class's config type."""
+    cls = model_class(path)
+    return cls.config_class.from_dir(path)
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str, progress: bool = True,
+               load_format: str = "auto", seed: int = 0, *, pdl: bool = True, moe_backend: str = "auto",
+               moe_repack: bool = True, moe_tiles: dict[str, int] | None = None, prefill_kernels: bool = True):
+    """Build the model class for ``path``, load its weights (``load_format`` ``auto``) or generate random ones
+    from its ``config.json`` (``dummy``, seeded by ``seed``), then give it its kernels, resolved once here
+    (:meth:`~replicas.kernels.decode_ops.DecodeOps.build` with the engine config's ``pdl`` and, for models
+    with experts, ``moe_backend``, ``moe_repack`` and ``moe_tiles``; ``prefill_kernels``).
+
+    Raises:
+        FileNotFoundError: no ``config.json``.
+        ValueError: an unsupported architecture, a mismatched checkpoint, or an unknown ``load_format``.
+        replicas.kernels.moe.MoEBackendError: the MoE backend cannot run on this device.
+    """
+    cls = model_class(path)
+    if load_format == "auto":
+        model = cls.from_pretrained(path, dtype=dtype, device=device, progress=progress)
+    elif load_format == "dummy":
+        model = cls.from_config(cls.config_class.from_dir(path), dtype=dtype, device=device, seed=seed)
+    else:
+        raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
+    ops = DecodeOps.build(device, dtype, pdl=pdl, moe_backend=moe_backend if cls.uses_moe else None,
+                          moe_repack=moe_repack, moe_tiles=moe_tiles, prefill_kernels=prefill_kernels)
+    return model.use_ops(ops)

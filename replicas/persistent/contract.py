@@ -1,4 +1,4 @@
-"""The persistent-decode contract every backend implements (DESIGN.md).
+"""The persistent-decode contract every backend implements (docs/design.md "Persistent decode contract").
 
 The shapes and rules follow AMD aiter's ``aiter.MK1`` persistent decoder
 (squashed commit 4b492bb), which is the production target; our ``eager`` and
@@ -125,39 +125,30 @@ class QuantumRequest:
         committed_kv_length: tokens whose KV is in the cache.
         max_sequence_length: the context limit.
         max_tokens: this quantum's size (1..8).
-        eos_token_id: the primary EOS id (MK1 checks only this one).
-        ignore_eos: do not stop on stop ids.
         full_block_map: contiguous 1-D int32 physical page ids covering at
             least ``committed_kv_length + max_tokens`` positions.
         rope_cosine / rope_sine: ``[len, 64]`` bf16 tables with the first 32
             columns filled (MK1 only; None for our backends).
         sliding_block_map: optional int32 page ids for sliding-window layers.
         cancellation_flag: set it to stop the quantum early (between steps).
-        stop_token_ids: every id that ends generation; empty means just
-            ``eos_token_id`` (our backends check the whole set on device; MK1
-            sees only ``eos_token_id``).
+        stop_token_ids: every id that ends generation
+            (:func:`replicas.stops.stop_token_set`: the request's stop ids and, unless it
+            ignores EOS, the model's EOS ids); empty: the quantum never stops early. Our
+            backends check the whole set on device; MK1's kernel checks one id, so
+            with more than one the lane runs quanta of 1 (``policy.quantum_size``) and
+            the adapter maps the set to MK1's ``eos_token_id``/``ignore_eos``.
     """
 
     pending_token: int
     committed_kv_length: int
     max_sequence_length: int
     max_tokens: int
-    eos_token_id: int
-    ignore_eos: bool
     full_block_map: torch.Tensor
     rope_cosine: torch.Tensor | None = None
     rope_sine: torch.Tensor | None = None
     sliding_block_map: torch.Tensor | None = None
     cancellation_flag: threading.Event | None = None
     stop_token_ids: tuple[int, ...] = ()
-
-
-    @property
-    def stop_set(self) -> tuple[int, ...]:
-        """The ids that end the quantum: none with ``ignore_eos``, else ``stop_token_ids`` or ``(eos_token_id,)``."""
-        if self.ignore_eos:
-            return ()
-        return tuple(self.stop_token_ids) or (self.eos_token_id,)
 
 
 @dataclass
@@ -210,7 +201,7 @@ def validate_request(req: QuantumRequest) -> None:
 
 
 def validate_result(req: QuantumRequest, res: QuantumResult) -> None:
-    """The caller's check of every result (DESIGN.md).
+    """The caller's check of every result (docs/design.md "QuantumResult and its validation").
 
     Raises:
         InvalidQuantumResultError: ``1 <= len(emitted) <= max_tokens``,
@@ -240,6 +231,10 @@ class PersistentBackend(abc.ABC):
     name: str = "abstract"
     checks_stop_set_on_device: bool = True
     """True when every stop id is checked inside the quantum (not only one EOS id)."""
+    takes_cached_pages: bool = True
+    """True when a request may start from KV pages an earlier request computed (the lane's prefix cache:
+    the first pages of ``full_block_map`` are then shared, read-only pages); False keeps prefix caching off
+    for the lane (MK1's envelope requires it off)."""
 
     @abc.abstractmethod
     def bind_cache(self, binding: CacheBinding) -> None:
@@ -260,8 +255,7 @@ class PipelinedBackend(PersistentBackend):
 
     Batch-one decode with one host synchronization per quantum leaves the GPU idle
     while the host reads a quantum's tokens, streams them and prepares the next
-    launch (about 0.3-0.5 ms per quantum for gpt-oss-120b on an H200,
-    ``docs/benchmarks.md``). Like vLLM's asynchronous scheduling, the lane
+    launch. Like vLLM's asynchronous scheduling, the lane
     instead launches quantum k+1 right behind quantum k, *before* collecting
     k: k+1 *follows* k, i.e. it starts from the token and position k leaves on
     the device, and counts nothing if k emitted a stop id. The caller predicts

@@ -16,15 +16,15 @@ runs eagerly, which is how CPU tests check it against the ``eager`` backend.
 
 from __future__ import annotations
 
-import os
+import functools
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from policy import MAX_QUANTUM_TOKENS
+from replicas.graph_capture import capture_graphs
 from replicas.kernels.paged_attention import PAGE_SIZE
-from replicas.kernels.triton_loader import lazy_kernel
 from replicas.persistent.contract import (
     BackendLaunchError,
     CacheBinding,
@@ -38,11 +38,6 @@ from replicas.persistent.contract import (
 
 MAX_STOP_IDS = 16
 """Stop ids the on-device check holds (a request with more is refused before launch)."""
-
-FUSED_EPILOGUE = os.environ.get("PERSISTENT_SERVE_FUSED_EPILOGUE", "1") != "0"
-"""On CUDA, each step's argmax and bookkeeping is one Triton launch (:mod:`replicas.kernels.triton_greedy`);
-``PERSISTENT_SERVE_FUSED_EPILOGUE=0`` (or False here before a backend is built) uses the torch ops."""
-
 
 @dataclass
 class QuantumBuffers:
@@ -140,10 +135,9 @@ class CudaGraphBackend(PipelinedBackend):
         device: the lane's device.
         max_model_len: context limit; sets the padded block-table length.
         use_graphs: capture graphs (default: when ``device`` is CUDA).
-        compile_step: ``torch.compile`` the decode step before capture so
-            Inductor fuses its elementwise work (default: when graphs are used and
-            the model does not set ``compile_decode_step = False``);
-            the compiled step is still replayed from our own graphs.
+        fused_epilogue: on CUDA, each step's argmax, stop check and bookkeeping in one Triton launch
+            (:func:`replicas.kernels.triton_greedy.greedy_step`) instead of the torch ops of
+            :func:`greedy_step_reference` (the engine config's ``fused_greedy_epilogue``).
 
     Raises:
         UnsupportedConfigurationError: the model has no static decode step.
@@ -153,15 +147,12 @@ class CudaGraphBackend(PipelinedBackend):
     checks_stop_set_on_device = True
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str, max_model_len: int,
-                 use_graphs: bool | None = None, compile_step: bool | None = None):
+                 use_graphs: bool | None = None, fused_epilogue: bool = True):
         if not hasattr(model, "decode_static"):
             raise UnsupportedConfigurationError(f"{type(model).__name__} has no static decode step for CUDA graphs")
         self.model = model
         self.device = torch.device(device)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        if compile_step is None:  # a model may declare that Inductor has nothing left to fuse
-            compile_step = self.use_graphs and getattr(model, "compile_decode_step", True)
-        self.compile_step = compile_step
         self._step = model.decode_static
         self.max_blocks = -(-max_model_len // PAGE_SIZE)
         self.buffers = QuantumBuffers.allocate(self.max_blocks, self.device)
@@ -173,8 +164,13 @@ class CudaGraphBackend(PipelinedBackend):
         self._in_flight: deque[tuple[int, QuantumRequest]] = deque()
         self._launches = 0
         self._can_follow = False  # the device state is a launched quantum's, not yet discarded
-        self._fused_epilogue = lazy_kernel("replicas.kernels.triton_greedy", "greedy_step") \
-            if FUSED_EPILOGUE and self.device.type == "cuda" else None
+        self._fused_epilogue = None
+        if fused_epilogue and self.device.type == "cuda":
+            from replicas.kernels.triton_greedy import greedy_step
+
+            self._fused_epilogue = greedy_step
+        self.fused_epilogue = self._fused_epilogue is not None
+        """Whether each step's epilogue is the one Triton launch (CUDA and ``fused_epilogue``)."""
         self._workspace: dict = {}
         self._planes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -198,28 +194,15 @@ class CudaGraphBackend(PipelinedBackend):
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        if self.compile_step:
-            # not fullgraph: the Triton attention kernel is excluded from Inductor (a graph break costs
-            # Python time only while capturing; replays run the recorded kernels)
-            self._step = torch.compile(self.model.decode_static, dynamic=False)
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm up (compile, allocator) outside capture; writes land in page 0
-            for _ in range(3):
-                self._body(1)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        for steps in range(1, MAX_QUANTUM_TOKENS + 1):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._body(steps)
-            self._graphs[steps] = graph
-        torch.cuda.synchronize(self.device)
+        """One graph per quantum size, sharing a memory pool; warm-up writes land in page 0."""
+        self._graphs = capture_graphs({steps: functools.partial(self._body, steps)
+                                       for steps in range(1, MAX_QUANTUM_TOKENS + 1)},
+                                      self.device, warmup=lambda: self._body(1), warmup_runs=3)
 
     def _check(self, req: QuantumRequest) -> None:
         check_launchable(req, self._planes is not None)
-        if len(req.stop_set) > MAX_STOP_IDS:
-            raise PrelaunchError(f"{len(req.stop_set)} stop ids; the on-device check holds {MAX_STOP_IDS}",
+        if len(req.stop_token_ids) > MAX_STOP_IDS:
+            raise PrelaunchError(f"{len(req.stop_token_ids)} stop ids; the on-device check holds {MAX_STOP_IDS}",
                                  "unsupported_envelope")
         pages = req.full_block_map.numel()
         if pages > self.max_blocks:
@@ -242,7 +225,7 @@ class CudaGraphBackend(PipelinedBackend):
             raise PrelaunchError("a following quantum needs one launched before it", "unsupported_envelope")
         slot = self._launches % self.MAX_IN_FLIGHT
         b, stage = self.buffers, self._stage_np[slot]
-        stop, pages = req.stop_set, req.full_block_map.numel()
+        stop, pages = req.stop_token_ids, req.full_block_map.numel()
         stage[0], stage[1], stage[2] = req.pending_token, req.committed_kv_length, 1
         stage[b.STOPS:b.TABLE] = -1
         stage[b.STOPS:b.STOPS + len(stop)] = stop
@@ -287,7 +270,7 @@ class CudaGraphBackend(PipelinedBackend):
             raise BackendLaunchError(f"cuda_graph quantum failed: {exc}") from exc
         count = int(result[-1])
         emitted = result[:count]
-        stop = req.stop_set
+        stop = req.stop_token_ids
         hit_stop = bool(stop) and bool(emitted) and emitted[-1] in stop
         committed = req.committed_kv_length + count
         finish = "eos" if hit_stop else (

@@ -42,7 +42,7 @@ class EagerBackend(PersistentBackend):
     @torch.inference_mode()
     def run_quantum(self, req: QuantumRequest) -> QuantumResult:
         check_launchable(req, self._planes is not None)
-        stop_ids = set(req.stop_set)
+        stop_ids = set(req.stop_token_ids)
         block_map = req.full_block_map.to(self.device, torch.long)
         pending, committed = req.pending_token, req.committed_kv_length
         emitted: list[int] = []

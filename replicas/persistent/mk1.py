@@ -1,6 +1,6 @@
 """``mk1`` persistent backend: an adapter over AMD aiter's ``aiter.MK1`` megakernel (gfx950).
 
-What it does, in order (DESIGN.md "Persistent decode contract", docs/mk1.md):
+What it does, in order (docs/design.md "What the MK1 adapter maps", docs/mk1.md):
 
 1. **Envelope.** :class:`Mk1Envelope` collects the facts MK1 depends on
    (device architecture read from the device properties, KV dtype and
@@ -17,7 +17,7 @@ What it does, in order (DESIGN.md "Persistent decode contract", docs/mk1.md):
    ``AtomCacheBinding``: no second cache.
 5. **Quanta.** Each of our :class:`QuantumRequest` becomes an aiter
    ``QuantumRequest`` with the block map as contiguous int32 page ids on the
-   device and the GPT-OSS YaRN RoPE tables (:func:`yarn_rope_tables`); the
+   device and the model's RoPE tables (:func:`mk1_rope_tables`); the
    result is converted and checked with :func:`validate_result`. aiter's
    ``PrelaunchError`` becomes ours (the lane falls back); anything raised once
    the launch was asked for becomes :class:`BackendLaunchError` (terminal; this
@@ -29,13 +29,12 @@ configured, and :meth:`MK1Backend.run_quantum` refuses (prelaunch) a longer
 quantum with several stop ids rather than decode past a stop.
 
 This adapter has never run on an MI355X; it is tested only against a test
-double of the ``aiter.MK1`` module boundary (``tests/replicas/mk1_double``).
+double of the ``aiter.MK1`` module boundary (``tests/replicas/persistent/mk1_double``).
 """
 
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -61,7 +60,7 @@ from replicas.persistent.contract import (
     validate_result,
 )
 
-# --- the facts of aiter.MK1 (squashed commit 4b492bb), DESIGN.md -------------------------------
+# --- the facts of aiter.MK1 (squashed commit 4b492bb), docs/design.md "What the MK1 adapter maps" --
 
 MK1_MODULE = "aiter.MK1"
 MK1_BACKEND = "gpt_oss_gfx950_atom_v1"
@@ -69,7 +68,8 @@ MK1_MODEL_FAMILY = "gpt-oss-120b"
 MK1_MODEL_REVISION = "b5c939de"
 MK1_ARCHITECTURE = "gfx950"
 MK1_CACHE_SCALAR = "bfloat16"
-"""The KV scalar we run MK1 with. ``MK1Config`` also accepts ``float16``; our KV cache is bf16 (DESIGN.md)."""
+"""The KV scalar we run MK1 with. ``MK1Config`` also accepts ``float16``; our KV cache is bf16
+(docs/design.md "KV cache geometry")."""
 MK1_MODES = ("auto", "required")
 MK1_REQUIRED_NAMES = (
     "MK1Config", "is_supported", "PersistentDecoder", "QuantumRequest", "AtomCacheBinding",
@@ -217,74 +217,31 @@ class Mk1EnvelopeError(UnsupportedConfigurationError):
 # --- RoPE tables (YaRN) -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class YarnRope:
-    """YaRN RoPE parameters; the defaults are GPT-OSS's (its ``config.json`` ``rope_scaling``).
+def mk1_rope_tables(length: int, model_config, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """MK1's ``(rope_cosine, rope_sine)`` for the served model: ``[length, 64]`` bf16, columns
+    ``0..head_dim/2-1`` filled, the rest 0.
 
-    Formula sources: Peng et al. 2023, "YaRN: Efficient Context Window Extension
-    of Large Language Models" (arXiv:2309.00071), sections 3.2-3.4; and
-    transformers' ``modeling_rope_utils._compute_yarn_parameters`` with
-    ``truncate=False`` (GPT-OSS's setting), which :meth:`inv_freq` follows
-    operation by operation.
+    The frequencies are the model's own (:func:`replicas.models.gpt_oss.rope_inv_freq` over its config's
+    ``head_dim``, ``rope_theta`` and ``rope_scaling``: YaRN for GPT-OSS), so the engine's prefill and MK1's
+    decode rotate alike. Row ``p``, column ``i < head_dim/2``: ``cos(p * inv_freq_i) * mscale`` (``sin``
+    likewise), computed in fp32 then cast to bf16, as transformers' ``GptOssRotaryEmbedding`` does.
+
+    Raises:
+        UnsupportedConfigurationError: ``head_dim / 2`` exceeds MK1's :data:`ROPE_TABLE_COLUMNS`.
     """
+    from replicas.models.gpt_oss import rope_inv_freq
 
-    theta: float = 150000.0
-    factor: float = 32.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    original_max_position_embeddings: int = 4096
-    head_dim: int = 64
-
-    @property
-    def attention_factor(self) -> float:
-        """YaRN's ``mscale = 0.1 ln(factor) + 1`` (1.3466 for factor 32), multiplied into cos and sin."""
-        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
-
-    def inv_freq(self) -> torch.Tensor:
-        """``[head_dim // 2]`` fp32 inverse frequencies, NTK-by-parts blended.
-
-        With ``d = head_dim`` and ``b = theta``: ``f_i = b^(-2i/d)``; the
-        correction dims ``c(r) = d ln(L / (2 pi r)) / (2 ln b)`` for ``r`` =
-        ``beta_fast`` (low) and ``beta_slow`` (high), clamped to ``[0, d - 1]``
-        (not floored/ceiled); ramp ``m_i = clamp((i - low) / (high - low), 0, 1)``;
-        ``inv_freq_i = f_i / factor * m_i + f_i * (1 - m_i)``.
-        """
-        d, base = self.head_dim, self.theta
-        pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (self.factor * pos_freqs)
-
-        def correction_dim(rotations: float) -> float:
-            return d * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low, high = max(correction_dim(self.beta_fast), 0), min(correction_dim(self.beta_slow), d - 1)
-        if low == high:
-            high += 0.001  # transformers' guard against a zero-width ramp
-        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        extrapolation_weight = 1 - ramp
-        return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
-
-
-GPT_OSS_YARN = YarnRope()
-
-
-def yarn_rope_tables(
-    length: int, rope: YarnRope = GPT_OSS_YARN, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MK1's ``(rope_cosine, rope_sine)``: ``[length, 64]`` bf16, columns ``0..head_dim/2-1`` filled, the rest 0.
-
-    Row ``p``, column ``i < head_dim/2``: ``cos(p * inv_freq_i) * attention_factor``
-    (``sin`` likewise), computed in fp32 then cast to bf16, exactly as
-    transformers' ``GptOssRotaryEmbedding`` does; GPT-OSS rotates the two halves
-    of each head, so one frequency per pair (32 for head_dim 64).
-    """
-    pairs = rope.head_dim // 2
+    pairs = model_config.head_dim // 2
     if pairs > ROPE_TABLE_COLUMNS:
-        raise UnsupportedConfigurationError(f"head_dim {rope.head_dim} needs {pairs} RoPE columns; MK1 has {ROPE_TABLE_COLUMNS}")
-    freqs = torch.arange(length, dtype=torch.float32)[:, None] * rope.inv_freq()[None, :]  # [length, pairs] fp32
+        raise UnsupportedConfigurationError(
+            f"head_dim {model_config.head_dim} needs {pairs} RoPE columns; MK1 has {ROPE_TABLE_COLUMNS}")
+    inv_freq, mscale = rope_inv_freq(model_config.head_dim, model_config.rope_theta,
+                                     getattr(model_config, "rope_scaling", None))
+    freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [length, pairs] fp32
     cos = torch.zeros(length, ROPE_TABLE_COLUMNS, dtype=torch.bfloat16)
     sin = torch.zeros(length, ROPE_TABLE_COLUMNS, dtype=torch.bfloat16)
-    cos[:, :pairs] = (freqs.cos() * rope.attention_factor).to(torch.bfloat16)
-    sin[:, :pairs] = (freqs.sin() * rope.attention_factor).to(torch.bfloat16)
+    cos[:, :pairs] = (freqs.cos() * mscale).to(torch.bfloat16)
+    sin[:, :pairs] = (freqs.sin() * mscale).to(torch.bfloat16)
     return cos.to(device), sin.to(device)
 
 
@@ -380,8 +337,10 @@ class MK1Backend(PersistentBackend):
     name = "mk1"
     checks_stop_set_on_device = False
     """MK1 stops on one eos id only: with several stop ids the lane runs quanta of 1."""
+    takes_cached_pages = False
+    """MK1's envelope requires prefix caching off (``envelope_reasons``): the lane never shares pages with it."""
 
-    def __init__(self, envelope: Mk1Envelope, checkpoint: str | Path, mode: str = "required"):
+    def __init__(self, envelope: Mk1Envelope, checkpoint: str | Path, model_config, mode: str = "required"):
         if mode not in MK1_MODES:
             raise UnsupportedConfigurationError(f"MK1 mode {mode!r} is not one of {MK1_MODES}")
         reasons = envelope_reasons(envelope)
@@ -424,8 +383,12 @@ class MK1Backend(PersistentBackend):
             )
         with self._construction_errors("PersistentDecoder.from_checkpoint"):
             self.decoder = mk1.PersistentDecoder.from_checkpoint(self.config, str(checkpoint))
-        # Built once, on the device, and passed to every quantum (a quantum allocates nothing).
-        self.rope_cosine, self.rope_sine = yarn_rope_tables(envelope.max_sequence_length, device=self.device)
+        # Built once, on the device, from the model's own RoPE, and passed to every quantum (a quantum
+        # allocates nothing).
+        self.rope_cosine, self.rope_sine = mk1_rope_tables(envelope.max_sequence_length, model_config, self.device)
+        eos = tuple(getattr(model_config, "eos_token_ids", ()))
+        self.eos_token_id = min(eos) if eos else 0
+        """The id passed as MK1's ``eos_token_id`` when a quantum has no stop id (then with ``ignore_eos``)."""
 
     @classmethod
     def for_core(cls, core, checkpoint: str | Path | None, mode: str = "required") -> MK1Backend:
@@ -457,7 +420,7 @@ class MK1Backend(PersistentBackend):
             prefix_caching=bool(core.allocator.enable_prefix_caching), chunked_prefill=False,
             max_sequence_length=core.config.max_model_len,
         )
-        backend = cls(envelope, checkpoint, mode)
+        backend = cls(envelope, checkpoint, core.model.config, mode)
         check_binding(CacheBinding.from_kv_tensor(kv))  # fail at construction, not when the lane binds
         return backend
 
@@ -509,11 +472,10 @@ class MK1Backend(PersistentBackend):
             )
         if req.cancellation_flag is not None and req.cancellation_flag.is_set():
             raise PrelaunchError("cancelled before launch", "cancelled")
-        stops = tuple(dict.fromkeys(req.stop_token_ids))
-        eos, ignore_eos = req.eos_token_id, req.ignore_eos
-        if len(stops) == 1:
-            eos, ignore_eos = stops[0], False
-        elif len(stops) > 1 and req.max_tokens > 1:
+        # MK1's boundary: its kernel stops on one eos id, or on none with its ignore_eos flag
+        stops = sorted(set(req.stop_token_ids))
+        eos, ignore_eos = (stops[0], False) if stops else (self.eos_token_id, True)
+        if len(stops) > 1 and req.max_tokens > 1:
             raise PrelaunchError(
                 f"aiter.MK1 checks one eos id; {len(stops)} stop ids need quanta of 1 (got {req.max_tokens})",
                 "unsupported_envelope",

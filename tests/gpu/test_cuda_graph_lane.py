@@ -17,6 +17,8 @@ import os
 import pytest
 import torch
 
+from tests.gpu.conftest import dummy_core
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 SMALL_GPT_OSS = {
@@ -30,12 +32,11 @@ def _lanes_agree(core, vocab: int, prompts_n: int = 20, tokens: int = 128, stand
                  max_num_seqs: int | None = None) -> None:
     from replicas.engine import LLMEngine
     from replicas.messages import GenerateRequest
-    from replicas.persistent.cuda_graph import CudaGraphBackend
+    from replicas.persistent.factory import create_backend
     from replicas.persistent.lane import PersistentLane
     from replicas.request import SamplingParams
     from replicas.scheduler import SchedulerConfig
 
-    device = torch.device("cuda")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist()
                for n in torch.randint(20, 300, (prompts_n,), generator=g)]
@@ -52,7 +53,7 @@ def _lanes_agree(core, vocab: int, prompts_n: int = 20, tokens: int = 128, stand
             standard[c.request_id] += c.token_ids
     assert core.allocator.num_free == core.allocator.num_blocks
 
-    backend = CudaGraphBackend(core.model, device, core.config.max_model_len)
+    backend = create_backend("cuda_graph", core)
     lane = PersistentLane(core, backend)
     assert backend.use_graphs and len(backend._graphs) == 8
     same = 0
@@ -70,28 +71,30 @@ def _lanes_agree(core, vocab: int, prompts_n: int = 20, tokens: int = 128, stand
 
 
 def test_smollm2_shape_random_weights_20_prompts_x_128_tokens():
-    from ops.bench.engine import SMOLLM2_135M, build_core
-
-    core = build_core(SMOLLM2_135M, torch.device("cuda"), torch.float32, max_model_len=512)
+    core = dummy_core("smollm2-135m", torch.float32, max_model_len=512)
     core.model.lm_head.weight.data.mul_(20)  # spread the random logits: wide argmax margins
     _lanes_agree(core, 49152)
 
 
 @pytest.mark.skipif(not os.environ.get("SMOLLM2_PATH"), reason="set SMOLLM2_PATH to the SmolLM2 GGUF or HF dir")
 def test_smollm2_real_weights_20_prompts_x_128_tokens():
-    from ops.bench.engine import load_smollm2_core
+    from replicas.config import EngineConfig
+    from replicas.engine import EngineCore
 
-    core = load_smollm2_core(os.environ["SMOLLM2_PATH"], torch.device("cuda"), torch.float32, max_model_len=512)
+    core = EngineCore.load(EngineConfig(model=os.environ["SMOLLM2_PATH"], device="cuda", dtype="float32",
+                                        max_model_len=512, num_kv_blocks=72, enable_prefix_caching=False,
+                                        progress=False))
     _lanes_agree(core, 49152)
 
 
 def test_small_random_gpt_oss_20_prompts_x_128_tokens():
-    from ops.bench.engine import build_gpt_oss_core
     from ops.tools.make_tiny_gpt_oss import real_config
 
-    core = build_gpt_oss_core({**real_config("20b"), **SMALL_GPT_OSS}, torch.device("cuda"), torch.float32,
-                              max_model_len=512)
+    core = dummy_core({**real_config("20b"), **SMALL_GPT_OSS}, torch.float32, max_model_len=512)
     core.model.lm_head.weight.data.mul_(20)
-    assert core.runner.graphs is not None and core.runner.graphs.batch_sizes[-1] == 16
-    # at most 16 sequences at once (GPT-OSS's graph limit): the last 4 prompts decode in the 4-bucket
+    assert core.runner.graphs is not None and core.runner.graphs.batch_sizes[-1] == 256
+    # 16 sequences at once (the batch-one kernels' limit): the last 4 prompts decode in the 4-bucket
     _lanes_agree(core, SMALL_GPT_OSS["vocab_size"], max_num_seqs=16)
+    # all 20 at once: the 32-bucket graph, its MoE through the grouped MXFP4 GEMMs
+    _lanes_agree(core, SMALL_GPT_OSS["vocab_size"])
+    assert 32 in core.runner.graphs._graphs

@@ -10,11 +10,13 @@ import copy
 import pytest
 import torch
 
+from tests.gpu.conftest import dummy_core
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
 def test_gemv_swiglu_epilogue_bf16():
-    from replicas.kernels.static_decode import swiglu_linear
+    from replicas.kernels.decode_ops import DecodeOps
     from replicas.kernels.triton_gemv import triton_gemv
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -25,14 +27,14 @@ def test_gemv_swiglu_epilogue_bf16():
     ours = triton_gemv(x, w, swiglu=True)
     assert ours.dtype == torch.bfloat16 and ours.shape == (1, 1536) and ref.abs().max() > 0.5
     torch.testing.assert_close(ours.float(), ref, rtol=2 ** -7, atol=1e-3)
-    assert torch.equal(swiglu_linear(x, w), ours)  # the dispatcher takes this kernel at batch one
+    ops = DecodeOps.build("cuda", torch.bfloat16)
+    assert ops.triton and torch.equal(ops.swiglu_linear(x, w), ours)  # the dispatcher takes this kernel at batch one
 
 
 def test_llama_bf16_decode_steps_follow_the_fp32_model():
-    from ops.bench.engine import SMOLLM2_135M, build_core
     from replicas.kernels.paged_attention import PAGE_SIZE
 
-    model = build_core(SMOLLM2_135M, torch.device("cuda"), torch.bfloat16, max_model_len=256).model
+    model = dummy_core("smollm2-135m", torch.bfloat16, max_model_len=256).model
     model.lm_head.weight.data.mul_(20)  # wide argmax margins
     ref = copy.deepcopy(model).float()
     cfg = model.config
@@ -57,9 +59,8 @@ def test_llama_bf16_decode_steps_follow_the_fp32_model():
 
 
 def test_smollm2_shape_bf16_lanes_agree_at_batch_one():
-    from ops.bench.engine import SMOLLM2_135M, build_core
     from tests.gpu.test_cuda_graph_lane import _lanes_agree
 
-    core = build_core(SMOLLM2_135M, torch.device("cuda"), torch.bfloat16, max_model_len=512)
+    core = dummy_core("smollm2-135m", torch.bfloat16, max_model_len=512)
     core.model.lm_head.weight.data.mul_(20)
     _lanes_agree(core, 49152, prompts_n=6, tokens=64, max_num_seqs=1)

@@ -41,8 +41,8 @@ class Experts:
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_mxfp4_moe_at_120b_dims(dtype, tol, tokens):
-    from replicas.kernels.moe import moe_reference
-    from replicas.kernels.triton_moe import triton_moe
+    from replicas.kernels.moe.reference import moe_reference
+    from replicas.kernels.moe.triton_portable import triton_moe
 
     experts = Experts(dtype, seed=tokens)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -60,8 +60,8 @@ def test_mxfp4_moe_at_120b_dims(dtype, tol, tokens):
 
 
 def test_router_and_rmsnorm_bf16():
-    from replicas.kernels.moe import router_topk_reference
-    from replicas.kernels.static_decode import add_rmsnorm_reference
+    from replicas.kernels.decode_ops import add_rmsnorm_reference
+    from replicas.kernels.reference import router_topk_reference
     from replicas.kernels.triton_rmsnorm import triton_add_rmsnorm
     from replicas.kernels.triton_router import triton_router_topk
 
@@ -87,8 +87,7 @@ def test_add_rmsnorm_route_bf16_one_launch_against_three_inside_a_graph():
     captured in a CUDA graph and replayed on fresh inputs (the arrival counter resets itself)."""
     from types import SimpleNamespace
 
-    from replicas.kernels.moe import add_rmsnorm_route
-    from replicas.kernels.static_decode import linear
+    from replicas.kernels.decode_ops import DecodeOps
     from replicas.kernels.triton_rmsnorm import triton_add_rmsnorm
     from replicas.kernels.triton_router import triton_router_topk
 
@@ -100,17 +99,18 @@ def test_add_rmsnorm_route_bf16_one_launch_against_three_inside_a_graph():
     res = torch.zeros(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
     delta = torch.zeros_like(res)
     ws: dict = {}
-    add_rmsnorm_route(res, delta, norm, router, mxfp4_out=True, workspace=ws)  # compile outside the capture
+    ops = DecodeOps.build("cuda", torch.bfloat16, moe_backend="auto")
+    ops.add_rmsnorm_route(res, delta, norm, router, mxfp4_out=True, workspace=ws)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = add_rmsnorm_route(res, delta, norm, router, mxfp4_out=True, workspace=ws)
+        outs = ops.add_rmsnorm_route(res, delta, norm, router, mxfp4_out=True, workspace=ws)
     for _ in range(4):
         res.copy_(torch.randn(1, HIDDEN, generator=g, device="cuda"))
         delta.copy_(torch.randn(1, HIDDEN, generator=g, device="cuda"))
         graph.replay()
         x, h, h_mx, w, ids = (t.clone() for t in outs)
         x_ref, h_ref, h_mx_ref = triton_add_rmsnorm(res, delta, norm.weight, norm.eps, True, mxfp4_out=True)
-        w_ref, ids_ref = triton_router_topk(linear(h_ref, router.weight, router.bias), 4, torch.bfloat16)
+        w_ref, ids_ref = triton_router_topk(ops.linear(h_ref, router.weight, router.bias), 4, torch.bfloat16)
         assert torch.equal(x, x_ref)
         # the norm's fp32 sum of squares is reduced over another warp count: at most a rounding apart
         for ours, ref in ((h, h_ref), (h_mx, h_mx_ref)):
@@ -121,58 +121,6 @@ def test_add_rmsnorm_route_bf16_one_launch_against_three_inside_a_graph():
         assert ws["route_counter"].item() == 0
 
 
-@pytest.mark.parametrize("block,splits", [(16, 1), (16, 3), (32, 5)])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 3e-3), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_tensor_core_mxfp4_moe_at_120b_dims(dtype, tol, tokens, block, splits):
-    """The tensor-core kernels (inline-PTX E2M1 decoding; activations rounded to fp16, hence fp32's ~1e-3)."""
-    from replicas.kernels.moe import moe_reference
-    from replicas.kernels.static_decode import add_rmsnorm_reference
-    from replicas.kernels.triton_moe_mma import triton_moe_partials
-    from replicas.kernels.triton_rmsnorm import triton_add_rmsnorm
-
-    experts = Experts(dtype, seed=tokens + 10)
-    g = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(dtype)
-    ids = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(tokens)])
-    w = torch.softmax(torch.randn(tokens, 4, generator=g, device="cuda"), -1).to(dtype)
-    res = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(dtype)
-    parts = triton_moe_partials(x, w, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales,
-                                experts.gate_up_proj_bias, experts.down_proj_blocks, experts.down_proj_scales,
-                                experts.down_proj_bias, 1.702, 7.0, block_j=block, block_r=block, splits=splits)
-    assert parts.shape == (tokens, 4 * splits, HIDDEN)
-    ref = moe_reference(x.float(), w.float(), ids, experts.as_fp32())
-    rel = ((parts.sum(1) - ref).abs().max() / ref.abs().max()).item()
-    assert ref.abs().max() > 1
-    assert rel < tol, rel
-    norm_w = torch.ones(HIDDEN, device="cuda", dtype=dtype)
-    xn, y = triton_add_rmsnorm(res, parts, norm_w, 1e-5, True)
-    xr, yr = add_rmsnorm_reference(res, parts, norm_w, 1e-5, True)
-    torch.testing.assert_close(xn, xr)
-    torch.testing.assert_close(y, yr, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("block_n,block_k", [(16, 128), (32, 256), (64, 512)])
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_dot_scaled_mxfp4_moe_at_120b_dims(tokens, block_n, block_k):
-    """``tl.dot_scaled`` kernels, bf16 activations: bf16 tolerance against the fp32 reference."""
-    from replicas.kernels.moe import moe_reference
-    from replicas.kernels.triton_moe_scaled import triton_moe_scaled
-
-    experts = Experts(torch.bfloat16, seed=tokens + 20)
-    g = torch.Generator(device="cuda").manual_seed(4)
-    x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").bfloat16()
-    ids = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(tokens)])
-    w = torch.softmax(torch.randn(tokens, 4, generator=g, device="cuda"), -1).bfloat16()
-    parts = triton_moe_scaled(x, w, ids, experts.gate_up_proj_blocks, experts.gate_up_proj_scales,
-                              experts.gate_up_proj_bias, experts.down_proj_blocks, experts.down_proj_scales,
-                              experts.down_proj_bias, 1.702, 7.0, block_n=block_n, block_k=block_k)
-    ref = moe_reference(x.float(), w.float(), ids, experts.as_fp32())
-    rel = ((parts.sum(1) - ref).abs().max() / ref.abs().max()).item()
-    assert ref.abs().max() > 1
-    assert rel < 2e-2, rel
-
-
 @pytest.mark.parametrize("block_j,block_r,blocks_per_step,warps", [(2, 4, 32, 1), (4, 8, 16, 2), (1, 2, 32, 4),
                                                                     (4, 8, 16, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -180,8 +128,8 @@ def test_dot_scaled_mxfp4_moe_at_120b_dims(tokens, block_n, block_k):
 def test_simt_fp32_mxfp4_moe_at_120b_dims(dtype, tokens, block_j, block_r, blocks_per_step, warps):
     """The SIMT kernels sum exact fp32 products: within fp32 summation order of the fp32 reference for
     either activation dtype, and bit-identical between the inline-PTX and the plain-Triton E2M1 decoding."""
-    from replicas.kernels.moe import moe_reference
-    from replicas.kernels.triton_moe_gemv import triton_moe_gemv
+    from replicas.kernels.moe.reference import moe_reference
+    from replicas.kernels.moe.triton_fp32 import triton_moe_gemv
 
     experts = Experts(dtype, seed=tokens + 30)
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -203,8 +151,8 @@ def test_simt_fp32_mxfp4_moe_at_120b_dims(dtype, tokens, block_j, block_r, block
 def _bf16_activations_reference(x, w, ids, experts):
     """fp32 reference of the tensor-core MMA kernels' arithmetic: exact dequantized weights, activations and
     the SwiGLU output rounded to bf16 (as those kernels feed them to the MMA), fp32 everywhere else."""
-    from replicas.models.gpt_oss import clamped_swiglu
-    from replicas.models.mxfp4 import dequantize_mxfp4
+    from replicas.kernels.moe.mxfp4 import dequantize_mxfp4
+    from replicas.kernels.reference import clamped_swiglu
 
     t, k = ids.shape
     out = torch.empty(t, k, HIDDEN, device="cuda")
@@ -240,8 +188,8 @@ def test_mma_ptx_mxfp4_moe_at_120b_dims(tokens):
     """The inline-PTX ``mma.sync`` kernels: every E2M1 code (bf16 subnormals included) and every lane's role in
     the MMA fragments, against the same arithmetic in fp32 (1e-4: only the summation order differs), against
     their plain-Triton path, and within bf16 tolerance of the all-fp32 reference."""
-    from replicas.kernels.moe import moe_reference
-    from replicas.kernels.triton_moe_tc import mxfp4_activations, triton_moe_tc
+    from replicas.kernels.moe.reference import moe_reference
+    from replicas.kernels.moe.triton_tc import mxfp4_activations, triton_moe_tc
 
     x, w, ids, experts, args, same_math, scale = _bf16_case(tokens, tokens + 40, 6)
     plain = triton_moe_tc(*args, ptx=False, x_mxfp4=mxfp4_activations(x))
@@ -255,16 +203,24 @@ def test_mma_ptx_mxfp4_moe_at_120b_dims(tokens):
         assert ((parts.sum(1) - ref).abs().max() / ref.abs().max()).item() < 2e-2
 
 
-@pytest.mark.parametrize("kernel", ["tc", "bulk"])
-def test_decode_moe_glue_tc_matches_exact_gemv(monkeypatch, kernel):
+def _ops(backend: str, repack: bool = False):
+    """GPU decode ops with the MoE backend ``backend`` (``triton_fp32`` on bf16 activations too: the exact
+    kernels, as the cross-check reference)."""
+    from replicas.kernels.decode_ops import DecodeOps
+    from replicas.kernels.moe import MoE, MoEChoice
+
+    return DecodeOps(triton=True, nvidia=True, pdl=False,
+                     moe=MoE(MoEChoice(backend, "prefill_dequantize", repack)))
+
+
+@pytest.mark.parametrize("backend", ["triton_tc", "hopper_bulk"])
+def test_decode_moe_glue_matches_exact_gemv(backend):
     """The decode step's MoE glue on bf16: the post-attention add+RMSNorm writes the tensor-core kernels'
     activation format in the same launch (equal to the torch conversion), and the MoE layer through them
     (Triton or CUDA-source) agrees with the exact fp32 SIMT kernels within bf16 tolerance."""
     from types import SimpleNamespace
 
-    from replicas.kernels import moe as dispatch
-    from replicas.kernels.static_decode import add_rmsnorm
-    from replicas.kernels.triton_moe_tc import mxfp4_activations
+    from replicas.kernels.moe.triton_tc import mxfp4_activations
 
     experts = Experts(torch.bfloat16, seed=50)
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -274,27 +230,37 @@ def test_decode_moe_glue_tc_matches_exact_gemv(monkeypatch, kernel):
     norm = SimpleNamespace(weight=(1 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).bfloat16(), eps=1e-5)
     ids = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(tokens)])
     w = torch.softmax(torch.randn(tokens, 4, generator=g, device="cuda"), -1).bfloat16()
-    monkeypatch.setattr(dispatch, "MOE_KERNEL", kernel)
-    assert dispatch.moe_takes_mxfp4(res)
-    x, h, h_mx = add_rmsnorm(res, delta, norm, True, mxfp4_out=True)
+    ops, exact = _ops(backend), _ops("triton_fp32")
+    assert ops.takes_mxfp4_activations and not exact.takes_mxfp4_activations
+    x, h, h_mx = ops.add_rmsnorm(res, delta, norm, True, mxfp4_out=True)
     assert torch.equal(h_mx, mxfp4_activations(h))
-    x_tc, _ = dispatch.moe_add_rmsnorm(h, w, ids, experts, x, norm, True, x_mxfp4=h_mx)
-    monkeypatch.setattr(dispatch, "MOE_KERNEL", "gemv")
-    assert not dispatch.moe_takes_mxfp4(res)
-    x_exact, _ = dispatch.moe_add_rmsnorm(h, w, ids, experts, x, norm, True)
+    x_tc, _ = ops.moe_add_rmsnorm(h, w, ids, experts, x, norm, True, x_mxfp4=h_mx)
+    x_exact, _ = exact.moe_add_rmsnorm(h, w, ids, experts, x, norm, True)
     moe_tc, moe_exact = x_tc.float() - x.float(), x_exact.float() - x.float()
     assert moe_exact.abs().max() > 1
     assert ((moe_tc - moe_exact).abs().max() / moe_exact.abs().max()).item() < 3e-2
+
+
+def test_auto_resolves_to_hopper_bulk_on_an_h200_in_bf16_and_to_triton_fp32_in_fp32():
+    from replicas.kernels.moe import resolve_moe
+
+    major = torch.cuda.get_device_capability()[0]
+    assert resolve_moe("auto", torch.device("cuda"), torch.bfloat16).backend == (
+        "hopper_bulk" if major >= 9 else "triton_tc")
+    assert resolve_moe("auto", torch.device("cuda"), torch.float16).backend == "triton_tc"
+    assert resolve_moe("auto", torch.device("cuda"), torch.float32).backend == "triton_fp32"
+    choice = resolve_moe("auto", torch.device("cuda"), torch.bfloat16, repack=True)
+    assert choice.repack == (choice.backend == "hopper_bulk") and choice.prefill == "prefill_dequantize"
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_bulk_copy_mxfp4_moe_at_120b_dims(tokens):
     """The CUDA C++ kernels with bulk-copied weights: the tensor-core kernels' arithmetic (same fp32 math
     within summation order) for every tile they take, and bf16 tolerance of the all-fp32 reference."""
-    from replicas.kernels.cuda_moe_bulk import cuda_moe_bulk
-    from replicas.kernels.moe import moe_reference
-    from replicas.kernels.mxfp4_decode_layout import repack_
-    from replicas.kernels.triton_moe_tc import mxfp4_activations
+    from replicas.kernels.moe.decode_layout import repack_
+    from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
+    from replicas.kernels.moe.reference import moe_reference
+    from replicas.kernels.moe.triton_tc import mxfp4_activations
 
     x, w, ids, experts, args, same_math, scale = _bf16_case(tokens, tokens + 60, 8)
     ref = moe_reference(x.float(), w.float(), ids, experts.as_fp32())
@@ -321,8 +287,8 @@ def test_bulk_copy_mxfp4_moe_at_120b_dims(tokens):
 def test_bulk_copy_moe_in_a_cuda_graph_with_small_widths():
     """Captured in a CUDA graph and replayed on new inputs (the persistent lane's use), at small widths
     (hidden 96, expert width 64: 3 and 2 blocks per row, so lanes step past a row's end)."""
-    from replicas.kernels.cuda_moe_bulk import cuda_moe_bulk
-    from replicas.kernels.moe import moe_reference
+    from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
+    from replicas.kernels.moe.reference import moe_reference
 
     e, hidden, inter = 6, 96, 64
     g = torch.Generator(device="cuda").manual_seed(9)
@@ -357,15 +323,11 @@ def test_bulk_copy_moe_in_a_cuda_graph_with_small_widths():
         assert rel < 2e-2, (trial, rel)
 
 
-def test_repacked_experts_through_every_moe_path(monkeypatch):
-    """Experts repacked at load (``prepare_decode_layout``): the decode glue runs the bulk kernels on the
-    decode layout and agrees with the exact SIMT kernels on the checkpoint layout; the prefill path (which
-    dequantizes) gives exactly what it gave before repacking; another kernel setting is refused; restoring
-    gives back the checkpoint bytes."""
+def test_repacked_experts_through_every_moe_path():
+    """Experts repacked at load (:meth:`MoE.prepare` of a ``hopper_bulk`` choice with ``moe_repack``): the
+    decode glue runs the bulk kernels on the decode layout and agrees with the exact SIMT kernels on the
+    checkpoint layout; the prefill path (which dequantizes) gives exactly what it gave before repacking."""
     from types import SimpleNamespace
-
-    from replicas.kernels import moe as dispatch
-    from replicas.kernels.static_decode import add_rmsnorm
 
     experts = Experts(torch.bfloat16, seed=70)
     original = experts.gate_up_proj_blocks.clone(), experts.down_proj_blocks.clone()
@@ -378,29 +340,31 @@ def test_repacked_experts_through_every_moe_path(monkeypatch):
     x20 = torch.randn(20, HIDDEN, generator=g, device="cuda").bfloat16()
     ids20 = torch.stack([torch.randperm(EXPERTS, generator=g, device="cuda")[:4] for _ in range(20)])
     w20 = torch.softmax(torch.randn(20, 4, generator=g, device="cuda"), -1).bfloat16()
-    monkeypatch.setattr(dispatch, "MOE_KERNEL", "gemv")
-    x, h, _ = add_rmsnorm(res, delta, norm, True, mxfp4_out=True)
-    x_exact, _ = dispatch.moe_add_rmsnorm(h, w, ids, experts, x, norm, True)
-    prefill = dispatch.moe(x20, w20, ids20, experts)
+    exact = _ops("triton_fp32")
+    x, h, _ = exact.add_rmsnorm(res, delta, norm, True, mxfp4_out=True)
+    x_exact, _ = exact.moe_add_rmsnorm(h, w, ids, experts, x, norm, True)
+    prefill = exact.moe(x20, w20, ids20, experts)
 
-    monkeypatch.setattr(dispatch, "MOE_KERNEL", "bulk")
-    monkeypatch.setattr(dispatch, "REPACK", False)
-    assert not dispatch.prepare_decode_layout(experts)  # PERSISTENT_SERVE_MOE_REPACK=0
-    monkeypatch.setattr(dispatch, "REPACK", True)
-    assert dispatch.prepare_decode_layout(experts) and dispatch.repacked(experts)
+    assert not _ops("hopper_bulk", repack=False).moe.prepare(experts)  # moe_repack=false
+    bulk = _ops("hopper_bulk", repack=True)
+    assert bulk.moe.prepare(experts) and experts.decode_layout
     assert not torch.equal(experts.gate_up_proj_blocks, original[0])
-    assert not dispatch.prepare_decode_layout(experts)  # once
-    assert dispatch.moe_takes_mxfp4(h, experts)
-    x, h, h_mx = add_rmsnorm(res, delta, norm, True, mxfp4_out=True)
-    x_bulk, _ = dispatch.moe_add_rmsnorm(h, w, ids, experts, x, norm, True, x_mxfp4=h_mx)
+    assert not bulk.moe.prepare(experts)  # once
+    x, h, h_mx = bulk.add_rmsnorm(res, delta, norm, True, mxfp4_out=True)
+    x_bulk, _ = bulk.moe_add_rmsnorm(h, w, ids, experts, x, norm, True, x_mxfp4=h_mx)
     moe_bulk, moe_exact = x_bulk.float() - x.float(), x_exact.float() - x.float()
     assert moe_exact.abs().max() > 1
     assert ((moe_bulk - moe_exact).abs().max() / moe_exact.abs().max()).item() < 3e-2
-    assert torch.equal(dispatch.moe(x20, w20, ids20, experts), prefill)
+    assert torch.equal(bulk.moe(x20, w20, ids20, experts), prefill)
 
-    monkeypatch.setattr(dispatch, "MOE_KERNEL", "tc")
-    with pytest.raises(ValueError, match="repacked"):
-        dispatch.moe_add_rmsnorm(h, w, ids, experts, x, norm, True)
-    dispatch.restore_checkpoint_layout(experts)
-    assert not dispatch.repacked(experts)
-    assert torch.equal(experts.gate_up_proj_blocks, original[0]) and torch.equal(experts.down_proj_blocks, original[1])
+
+def test_gpt_oss_load_resolves_and_records_its_kernels():
+    """A dummy GPT-OSS engine on the GPU resolves its kernels once at load and says which ran."""
+    from tests.gpu.conftest import dummy_core
+
+    core = dummy_core("tiny-gpt-oss", torch.bfloat16, max_model_len=256)
+    kernels = core.describe_kernels()
+    assert kernels["decode_kernels"] == "triton" and kernels["moe_prefill"] == "prefill_dequantize"
+    assert kernels["moe_backend"] in ("hopper_bulk", "triton_tc") and kernels["decode_graphs"]
+    core = dummy_core("tiny-gpt-oss", torch.bfloat16, max_model_len=256, moe_backend="triton_tc", pdl=False)
+    assert core.describe_kernels()["moe_backend"] == "triton_tc" and core.describe_kernels()["pdl"] is False

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ops.bench.engine import bytes_per_token, main, shape_config
+from ops.bench.engine import bytes_per_token, main
+from ops.tools.model_shapes import shape_config
 
 
 def test_cpu_mode_runs_all_lanes_on_both_model_families(capsys, tmp_path):
@@ -27,7 +28,7 @@ def test_cpu_mode_runs_all_lanes_on_both_model_families(capsys, tmp_path):
 
 @pytest.mark.parametrize("shape,gigabytes", [("gpt-oss-120b", 5.05), ("gpt-oss-20b", 3.74)])
 def test_bytes_per_token_at_the_real_gpt_oss_shapes(shape, gigabytes):
-    """~5.0 GB per token for 120b (issue 5 / DESIGN.md): attention + LM head in bf16, 4 of 128 MXFP4 experts."""
+    """~5.0 GB per token for 120b (docs/design.md "Performance floors and peers"): attention + LM head in bf16, 4 of 128 MXFP4 experts."""
     from replicas.models.gpt_oss import GptOssForCausalLM
     from replicas.models.gpt_oss_config import GptOssConfig
 
@@ -36,14 +37,17 @@ def test_bytes_per_token_at_the_real_gpt_oss_shapes(shape, gigabytes):
     assert bytes_per_token(model, 1152, 2) / 1e9 == pytest.approx(gigabytes, abs=0.01)
 
 
-def test_variants_apply_settings_then_restore_them():
-    from ops.bench.engine import variant
-    from replicas.kernels import moe
+def test_variants_are_engine_config_settings_checked_before_anything_runs():
+    from ops.bench.engine import describe_variant, parse_variant
 
-    before = moe.MOE_KERNEL
-    with variant("moe=gemv"):
-        assert moe.MOE_KERNEL == "gemv"
-    assert moe.MOE_KERNEL == before
-    with pytest.raises(ValueError, match="bad setting 'warp=9'"), variant("moe=gemv warp=9"):
-        pass
-    assert moe.MOE_KERNEL == before  # restored after a bad setting too
+    assert parse_variant("pipeline_quanta=0 moe_backend=triton_tc moe_tiles=pairs:2+depth:2") == {
+        "pipeline_quanta": "0", "moe_backend": "triton_tc", "moe_tiles": {"pairs": 2, "depth": 2}}
+    assert describe_variant({"pdl": "0", "moe_tiles": {"pairs": 2}}) == "pdl=0 moe_tiles=pairs:2"
+    with pytest.raises(ValueError, match="bad setting 'warp'"):
+        parse_variant("warp")
+    with pytest.raises(ValueError, match="moe_backend"):
+        parse_variant("moe_backend=mma")
+    with pytest.raises(ValueError, match="warps"):
+        parse_variant("warps=9")
+    with pytest.raises(ValueError, match="moe_backend"):
+        main(["--device", "cpu", "--tiny", "--variants", "moe_backend=gemv"])

@@ -4,7 +4,7 @@ Everything heavy is loaded once per session: our :class:`EngineCore` (``core``),
 the transformers reference model (``hf_model``) and its tokenizer. Greedy
 reference continuations are memoised per (prompt, length, eos mode).
 
-Page accounting is an invariant (DESIGN.md "KV cache geometry"): after every
+Page accounting is an invariant (docs/design.md "KV cache geometry"): after every
 test that used ``core``, the autouse fixture checks that the KV page pool is
 back to full.
 """
@@ -18,9 +18,7 @@ import torch
 
 from replicas.config import EngineConfig
 from replicas.engine import EngineCore, LLMEngine
-from replicas.kv_cache import KVCache, PageAllocator
 from replicas.messages import GenerateRequest, GenerationChunk
-from replicas.model_runner import ModelRunner
 from replicas.models.loader import resolve_model
 from replicas.request import SamplingParams
 
@@ -95,20 +93,12 @@ def staged_columns(column: list[int], tables: torch.Tensor, device) -> tuple[tor
 
 
 def small_core(core: EngineCore, num_kv_blocks: int, max_model_len: int, prefix_caching: bool = False) -> EngineCore:
-    """A real engine core with its own (small) KV cache, sharing ``core``'s loaded weights.
-
-    Built from the same parts as :meth:`EngineCore.load` (no doubles), without
-    re-reading the checkpoint.
-    """
+    """A real engine core with its own (small) KV cache, sharing ``core``'s loaded weights: built by
+    :meth:`EngineCore.build` (the one constructor), without re-reading the checkpoint."""
     cfg = core.config.model_copy(update={"num_kv_blocks": num_kv_blocks, "max_model_len": max_model_len})
     EngineConfig.model_validate(cfg.model_dump())  # the same cross-field checks as a fresh config
-    kv = KVCache(core.model.config, num_kv_blocks, core.kv_cache.tensor.dtype, core.runner.device)
-    return EngineCore(
-        config=cfg, model=core.model, tokenizer=core.tokenizer, kv_cache=kv,
-        allocator=PageAllocator(kv.num_blocks, enable_prefix_caching=prefix_caching),
-        runner=ModelRunner(core.model, kv.planes(), core.runner.device),
-        eos_token_ids=core.eos_token_ids,
-    )
+    return EngineCore.build(cfg, core.model, core.tokenizer, enable_prefix_caching=prefix_caching,
+                            eos_token_ids=core.eos_token_ids)
 
 
 TORCH_THREADS = 1

@@ -89,6 +89,50 @@ def test_standard_actor_reports_an_invalid_prompt_as_an_error(standard_actor):
     assert "empty" in items[0].message
 
 
+def test_a_failed_engine_step_fails_every_request_the_engine_holds_and_the_replica_keeps_serving(
+        standard_actor, tokenizer, hf_greedy):
+    """An exception in a standard-lane step ends every request the engine holds (not only those in the
+    step) with an ``engine_error``, frees their pages, and the next request is served. The fault is
+    injected at the model runner's boundary for one call (nothing else is replaced)."""
+    ids = [chat_ids(tokenizer, p) for p in PROMPTS[:2]]
+    runner = standard_actor.core.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def fail_third_step(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected device fault")
+        return real_execute(batch)
+
+    async def scenario():
+        runner.execute = fail_third_step
+        try:
+            failed = await asyncio.gather(*(
+                _collect(standard_actor.generate(greedy_request(f"x{i}", x, LONG))) for i, x in enumerate(ids)))
+        finally:
+            runner.execute = real_execute
+        after = await standard_actor.stats()
+        served = await _collect(standard_actor.generate(greedy_request("after", ids[0], SIXTEEN)))
+        return failed, after, served
+
+    failed, after, served = asyncio.run(scenario())
+    for items in failed:
+        assert isinstance(items[-1], GenerationError) and items[-1].reason == "engine_error"
+        assert "injected device fault" in items[-1].message and len(items) < LONG.max_tokens
+    assert after["kv_pages_free"] == after["kv_pages_total"] and after["running"] == after["waiting"] == 0
+    assert tokens_of(served) == hf_greedy(ids[0], 16, ignore_eos=True)
+
+
+def test_actors_report_what_they_resolved_at_load(standard_actor, persistent_actor):
+    standard = asyncio.run(standard_actor.stats())["settings"]
+    persistent = asyncio.run(persistent_actor.stats())["settings"]
+    assert standard["decode_kernels"] == "torch" and standard["pdl"] is False and standard["decode_graphs"] == []
+    assert standard["load_format"] == "auto" and "moe_backend" not in standard  # a dense model: no MoE
+    assert (persistent["persistent_backend"], persistent["pipeline_quanta"]) == ("eager", False)
+    assert persistent["fused_greedy_epilogue"] is False
+
+
 def test_persistent_actor_streams_quanta(persistent_actor, tokenizer, hf_greedy):
     ids = chat_ids(tokenizer, PROMPTS[3])
 

@@ -26,7 +26,6 @@ from replicas.sampler import (
     apply_repetition_penalty,
     apply_top_k_top_p,
     make_generator,
-    min_tokens_banned_ids,
     sample,
     sample_rows,
 )
@@ -186,14 +185,14 @@ def test_banning_the_whole_vocabulary_is_an_error():
         _pick([1.0, 2.0], _row(_greedy(), banned={0, 1}))
 
 
-def test_min_tokens_banned_ids():
-    p = SamplingParams(min_tokens=3, stop_token_ids=(7, 8))
-    assert min_tokens_banned_ids(p, 0, {2}) == {2, 7, 8}
-    assert min_tokens_banned_ids(p, 2, {2}) == {2, 7, 8}
-    assert min_tokens_banned_ids(p, 3, {2}) == frozenset()
-    ignore = SamplingParams(min_tokens=3, stop_token_ids=(7,), ignore_eos=True)
-    assert min_tokens_banned_ids(ignore, 0, {2}) == {7}  # EOS is no stop when ignored
-    assert min_tokens_banned_ids(SamplingParams(), 0, {2}) == frozenset()
+def test_stop_token_set_is_stop_ids_and_eos_unless_ignored():
+    from replicas.stops import stop_token_set
+
+    p = SamplingParams(stop_token_ids=(7, 8))
+    assert stop_token_set(p, {2}) == {2, 7, 8}
+    ignore = SamplingParams(stop_token_ids=(7,), ignore_eos=True)
+    assert stop_token_set(ignore, {2}) == {7}  # EOS is no stop when ignored
+    assert stop_token_set(SamplingParams(ignore_eos=True), {2}) == frozenset()
 
 
 # --- top-k / top-p --------------------------------------------------------------------------------
