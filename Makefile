@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 # On our CPU dev/CI machines `torch==2.13.0` is a local CPU build; elsewhere it is PyPI's build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-test install-lmeval serve test test-stress test-cluster test-lmeval test-gpu lint
+.PHONY: install install-test install-lmeval serve test test-stress test-cluster test-chaos test-lmeval test-gpu lint
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
@@ -35,11 +35,15 @@ test-cluster: install-test
 test-lmeval: install-lmeval
 	$(PYTHON) -m pytest -q -m lmeval tests/lmeval
 
+# Processes and a node killed under load (docs/reliability.md); prints one `chaos:` JSON line per fault.
+test-chaos: install-test
+	$(PYTHON) -m pytest -q -s -m chaos tests/deployments/test_chaos.py
+
 # On a CUDA machine (not in CI: CI has no GPU): the GPU tests and the kernel tests on the device
 # (they run Triton's interpreter on CPU in `make test`). Installs nothing: a GPU box may have no network.
 test-gpu:
 	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no CUDA device here')"
-	$(PYTHON) -m pytest -q -o addopts="-ra" -m "not stress and not cluster" tests/gpu tests/replicas/kernels
+	$(PYTHON) -m pytest -q -o addopts="-ra" -m "not stress and not cluster and not chaos and not lmeval" tests/gpu tests/replicas/kernels
 
 lint:
 	$(PYTHON) -m ruff check .

@@ -17,6 +17,10 @@ from deployments.replicas import PersistentReplica, StandardReplica
 REPLICA_CPUS = 0.05
 """CPUs of a replica's own bundle (the thin async shell; the engine actor has bundle 1)."""
 
+INGRESS_HEALTH_CHECK_S = 2.0
+"""Health-check period of the ingress (Serve's default is 10 s): a dead ingress process is noticed, and
+replaced, this much sooner (docs/reliability.md). Its check is Serve's no-op, so it costs nothing."""
+
 
 def _pool(deployment, config: AppConfig, pool: PoolConfig):
     """One lane's deployment: the pool's Serve/autoscaling options, one placement group per replica
@@ -40,7 +44,8 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.from_args(args)
     standard = _pool(StandardReplica, config, config.standard_pool)
     persistent = _pool(PersistentReplica, config, config.persistent_pool) if config.persistent_enabled else None
-    return OpenAIIngress.options(ray_actor_options={"num_cpus": REPLICA_CPUS}).bind(config, persistent, standard)
+    return OpenAIIngress.options(ray_actor_options={"num_cpus": REPLICA_CPUS},
+                                 health_check_period_s=INGRESS_HEALTH_CHECK_S).bind(config, persistent, standard)
 
 
 app = build_app({})

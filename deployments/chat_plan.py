@@ -87,10 +87,13 @@ class ChatPlanner:
         tokenizer: the model's HF tokenizer.
         model_dir: the checkpoint directory (its ``tokenizer.json`` supplies harmony's vocabulary file).
         start_date: harmony's ``Current date:`` setting (``today``, ``none`` or ``YYYY-MM-DD``).
+        encoder: how client text is tokenized (:class:`~deployments.client_text.ClientTextEncoder`: special-token
+            strings in it stay text unless the app allows them); default: text only.
     """
 
-    def __init__(self, tokenizer, model_dir: str | Path | None = None, start_date: str = "today"):
+    def __init__(self, tokenizer, model_dir: str | Path | None = None, start_date: str = "today", encoder=None):
         self.tokenizer = tokenizer
+        self.encoder = encoder
         self.harmony = is_harmony_tokenizer(tokenizer)
         self.start_date = start_date
         self.encoding = None
@@ -162,7 +165,7 @@ class ChatPlanner:
                 raise OpenAIError("tools are supported for models that use the harmony format (GPT-OSS); this "
                                   "model's chat template has no tool-call format", param="tools",
                                   code="unsupported_parameter")
-            return ChatPlan(encode_chat(self.tokenizer, body.messages), structured_output=structured)
+            return ChatPlan(encode_chat(self.encoder or self.tokenizer, body.messages), structured_output=structured)
         return self.plan_harmony([m.model_dump(exclude_none=True) for m in body.messages], body.tools,
                                  body.tool_choice, body.reasoning_effort, body.response_format, structured,
                                  body.include_reasoning)

@@ -1,9 +1,10 @@
 """``persistent-serve`` command line: start the app on Ray Serve and block.
 
 Every field of the app config (:class:`deployments.config.AppConfig`), of its engine settings
-(:class:`replicas.config.EngineConfig`) and of its tracing settings
-(:class:`ops.telemetry.tracing.TracingConfig`, flags ``--tracing-*``) is a flag, with the field's
-description as its help and its allowed values as the choices: the config is the one source. Only the
+(:class:`replicas.config.EngineConfig`), of its tracing settings
+(:class:`ops.telemetry.tracing.TracingConfig`, flags ``--tracing-*``) and of its API keys and request
+limits (:class:`deployments.security.SecurityConfig`, :class:`deployments.security.RequestLimits`;
+``--api-key K1 K2``) is a flag, with the field's description as its help and its allowed values as the choices: the config is the one source. Only the
 flags given are passed on, so the config's defaults apply to the rest. Booleans take ``--flag`` /
 ``--no-flag``; dicts, lists and pool settings take JSON (``--moe-tiles '{"down_pairs": 1}'``).
 
@@ -22,14 +23,15 @@ import time
 import types
 import typing
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from deployments.config import AppConfig
+from deployments.security import RequestLimits, SecurityConfig
 from ops.telemetry.tracing import TracingConfig
 from replicas.config import EngineConfig
 
-SKIPPED = ("engine", "tracing", "persistent_fault_injection")
-"""App config fields that are not flags: the two nested groups (their fields are flags themselves) and the
+SKIPPED = ("engine", "tracing", "security", "limits", "persistent_fault_injection")
+"""App config fields that are not flags: the nested groups (their fields are flags themselves) and the
 tests-only fault injection."""
 
 
@@ -51,7 +53,9 @@ def _add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], prefix:
         dest = prefix + name
         kwargs: dict = {"dest": dest, "help": field.description, "default": None}
         ann = _unwrap(field.annotation)
-        if typing.get_origin(ann) is typing.Literal:
+        if typing.get_args(ann)[:1] == (SecretStr,):  # API keys: --api-key K1 K2 (repeatable)
+            kwargs.update(nargs="+", action="extend", metavar="KEY", type=str)
+        elif typing.get_origin(ann) is typing.Literal:
             kwargs["choices"] = list(typing.get_args(ann))
         elif isinstance(ann, type) and issubclass(ann, enum.Enum):
             kwargs["choices"] = [m.value for m in ann]
@@ -66,7 +70,8 @@ def _add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], prefix:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI's parser: the config's fields, plus ``--host``, ``--port`` and ``--metrics-export-port``."""
+    """The CLI's parser: the config's fields, plus ``--host``, ``--port``, ``--keep-alive-timeout-s`` (Serve's
+    HTTP options) and ``--metrics-export-port``."""
     p = argparse.ArgumentParser(
         prog="persistent-serve",
         description="Serve an OpenAI-compatible API on Ray Serve with persistent and standard lanes.",
@@ -74,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fields(p, AppConfig, skip=SKIPPED)
     _add_fields(p, EngineConfig)
     _add_fields(p, TracingConfig, prefix="tracing_")
+    _add_fields(p, SecurityConfig)
+    _add_fields(p, RequestLimits)
+    p.add_argument("--keep-alive-timeout-s", type=int,
+                   help="close idle keep-alive HTTP connections after this many seconds (Serve's "
+                        "http_options.keep_alive_timeout_s; default 90)")
     p.add_argument("--metrics-export-port", type=int,
                    help="start Ray with its Prometheus endpoint on this port (http://HOST:PORT/metrics)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
@@ -90,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     host, port = args.pop("host"), args.pop("port")
+    http_options = {"host": host, "port": port}
+    if "keep_alive_timeout_s" in args:
+        http_options["keep_alive_timeout_s"] = args.pop("keep_alive_timeout_s")
     metrics_port = args.pop("metrics_export_port", None)
     try:
         config = AppConfig.from_args(args)
@@ -104,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if metrics_port is not None:
         ray.init(_metrics_export_port=metrics_port)
 
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options=http_options)
     serve.run(build_app(config), blocking=False)
     print(f"persistent-serve: serving {config.engine.name} on http://{host}:{port}/v1", flush=True)
     try:

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.pools import PoolConfig, persistent_pool_defaults, standard_pool_defaults
+from deployments.security import RequestLimits, SecurityConfig
 from ops.telemetry.tracing import TracingConfig
 from policy import Mode
 from replicas.config import EngineConfig
@@ -67,6 +68,13 @@ class AppConfig(BaseModel):
         None, ge=0, description="GPUs per engine actor; default 1 when the engine device is CUDA, else 0."
     )
     tracing: TracingConfig = Field(default_factory=TracingConfig, description="OpenTelemetry exporter settings.")
+    security: SecurityConfig = Field(
+        default_factory=SecurityConfig, description="API keys and special tokens in client text (keys flat: api_key)."
+    )
+    limits: RequestLimits = Field(
+        default_factory=RequestLimits, description="Bounds on one request: body bytes and timeouts, prompt characters, "
+        "messages, stop strings, n, max_tokens (keys flat: max_request_body_bytes ...).",
+    )
     harmony_start_date: str = Field(
         "today", pattern=r"^(today|none|\d{4}-\d{2}-\d{2})$",
         description="Harmony (GPT-OSS) prompts: the system message's `Current date:` line: today (the "
@@ -123,9 +131,9 @@ class AppConfig(BaseModel):
 
     @classmethod
     def from_args(cls, args: dict | None) -> AppConfig:
-        """Build from a flat dict (``serve run`` args / CLI); engine and tracing keys may be flat. A string
-        given for a dict, list or nested-model field (``serve run ... moe_tiles='{"down_pairs": 1}'``) is
-        parsed as JSON.
+        """Build from a flat dict (``serve run`` args / CLI); engine, tracing, security and limits keys may be
+        flat. A string given for a dict, list or nested-model field (``serve run ... moe_tiles='{"down_pairs": 1}'``)
+        is parsed as JSON.
 
         Raises:
             pydantic.ValidationError: unknown keys or bad values.
@@ -134,14 +142,20 @@ class AppConfig(BaseModel):
         args = {str(k).replace("-", "_"): v for k, v in (args or {}).items()}
         engine = dict(args.pop("engine", {}) or {})
         tracing = dict(args.pop("tracing", {}) or {})
+        nested = {name: dict(args.pop(name, {}) or {}) for name in ("security", "limits")}
         for key in list(args):
             if key in EngineConfig.model_fields:
                 engine[key] = _json_if_structured(EngineConfig, key, args.pop(key))
             elif key.startswith("tracing_") and key[8:] in TracingConfig.model_fields:
                 tracing[key[8:]] = args.pop(key)
+            elif key in SecurityConfig.model_fields:
+                nested["security"][key] = args.pop(key)
+            elif key in RequestLimits.model_fields:
+                nested["limits"][key] = args.pop(key)
             elif key in cls.model_fields:
                 args[key] = _json_if_structured(cls, key, args[key])
-        return cls(engine=EngineConfig(**engine), tracing=TracingConfig(**tracing), **args)
+        return cls(engine=EngineConfig(**engine), tracing=TracingConfig(**tracing),
+                   security=SecurityConfig(**nested["security"]), limits=RequestLimits(**nested["limits"]), **args)
 
 
 def _json_if_structured(model: type[BaseModel], key: str, value):

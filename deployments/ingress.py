@@ -18,6 +18,7 @@ choice for eligible requests; the response's ``x-lane`` says where it ran).
 """
 
 
+import asyncio
 import json
 import logging
 import time
@@ -29,6 +30,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.chat_plan import ChatPlanner
+from deployments.client_text import ClientTextEncoder
 from deployments.config import AppConfig
 from deployments.openai_format import (
     ChatFormat,
@@ -48,6 +50,7 @@ from deployments.protocol import (
 from deployments.replicas import engine_actor_stats
 from deployments.responses_api import ResponsesRequest, serve_responses
 from deployments.router import Router
+from deployments.security import RequestGuard, RequestGuardMiddleware
 from deployments.tokenize_api import (
     DetokenizeRequest,
     TokenizeRequest,
@@ -77,6 +80,15 @@ api = FastAPI(title="persistent-serve", version="0.1.0")
 LANE_HEADER = "x-lane"
 """Response header naming the lane that served; as a request header, forces a lane."""
 FORCEABLE_LANES = ("standard", "persistent")
+
+
+def _replica_guard() -> RequestGuard:
+    """The running ingress replica's keys and limits (``deployments/security.py``)."""
+    return serve.get_replica_context().servable_object.guard
+
+
+# API keys, body size and timeouts, HTTP/1.0 framing: before FastAPI reads the body.
+api.add_middleware(RequestGuardMiddleware, guard=_replica_guard)
 
 
 def _error_response(exc: OpenAIError) -> Response:
@@ -162,7 +174,9 @@ class OpenAIIngress:
         model_dir = resolve_model(config.engine.model, progress=False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.token_text = TokenText(self.tokenizer)
-        self.chat_planner = ChatPlanner(self.tokenizer, model_dir, config.harmony_start_date)
+        self.encoder = ClientTextEncoder(self.tokenizer, config.security.allow_special_tokens)
+        self.guard = RequestGuard(config.security, config.limits, self.max_model_len)
+        self.chat_planner = ChatPlanner(self.tokenizer, model_dir, config.harmony_start_date, encoder=self.encoder)
         self.router = Router(
             config.persistent_decoder, persistent if config.persistent_enabled else None, standard,
             self.max_model_len, config.spillover_wait_s,
@@ -194,12 +208,13 @@ class OpenAIIngress:
             out["persistent"] = _pool_totals(await engine_actor_stats("persistent", self.app_name))
         out["router"] = self.router.stats()
         out["ingress"] = self.chat_planner.describe()
+        out["security"] = self.guard.stats()
         return out
 
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_common(body)
-        plan = self.chat_planner.plan(body)
+        plan = await asyncio.to_thread(self.chat_planner.plan, body)  # templating + tokenizing off the event loop
         return await self._serve(body, plan.token_ids, chat=True, http=request, plan=plan)
 
     @api.post("/v1/responses")
@@ -212,7 +227,7 @@ class OpenAIIngress:
         prompts = []
         for prompt in body.prompt:  # one or more (OpenAI's batched prompts)
             if isinstance(prompt, str):
-                ids, echo = encode_prompt(self.tokenizer, prompt), prompt
+                ids, echo = await asyncio.to_thread(encode_prompt, self.encoder, prompt), prompt
             else:
                 ids = list(prompt)
                 check_token_ids(self.tokenizer, ids, "prompt")
@@ -229,16 +244,18 @@ class OpenAIIngress:
     @api.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
         self._check_model(body.model)
+        self.guard.check_request(body)
         if body.messages is not None and body.prompt is None and self.chat_planner.harmony:
-            ids = self.chat_planner.plan_harmony([m.model_dump(exclude_none=True) for m in body.messages],
-                                                 None, None, None, None, None).token_ids
-            return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
-        return tokenize(self.tokenizer, body, self.max_model_len)
+            plan = await asyncio.to_thread(self.chat_planner.plan_harmony,
+                                           [m.model_dump(exclude_none=True) for m in body.messages],
+                                           None, None, None, None, None)
+            return {"tokens": plan.token_ids, "count": len(plan.token_ids), "max_model_len": self.max_model_len}
+        return await asyncio.to_thread(tokenize, self.encoder, body, self.max_model_len)
 
     @api.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest):
         self._check_model(body.model)
-        return detokenize(self.tokenizer, body)
+        return await asyncio.to_thread(detokenize, self.tokenizer, body)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -249,6 +266,7 @@ class OpenAIIngress:
     def _check_common(self, body) -> None:
         self._check_model(body.model)
         body.check()
+        self.guard.check_request(body)
 
     def _request(self, body, ids: list[int], plan=None) -> GenerateRequest:
         """One engine request for all ``n`` choices (the engine derives per-choice seeds)."""

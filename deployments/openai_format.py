@@ -35,11 +35,12 @@ RETRY_AFTER_S = 1
 
 
 def to_http(err: GenerationError) -> OpenAIError:
-    """The HTTP error for a failed request: 400 (validation), 503 + Retry-After (overloaded), else 500."""
+    """The HTTP error for a failed request: 400 (validation), 503 + Retry-After (overloaded, no replica
+    could take it), else 500."""
     if err.stage == "validation":
         return OpenAIError(err.message, param="messages")
-    if err.reason == "overloaded":
-        return OpenAIError(err.message, status=503, type_="server_error", code="overloaded",
+    if err.reason in ("overloaded", "replica_unavailable"):  # nothing ran: retry later
+        return OpenAIError(err.message, status=503, type_="server_error", code=err.reason,
                            headers={"Retry-After": str(RETRY_AFTER_S)})
     return OpenAIError(err.message, status=500, type_="server_error", code=err.reason)
 

@@ -5,6 +5,19 @@ a Ray actor created in bundle 1 of the replica's own placement group, so one
 replica = one bundle = one GPU on GPU machines, and the actor fate-shares with
 its replica. The replica's health check fails when its persistent decoder was
 marked unhealthy after a launch failure, so Serve replaces it.
+
+When the engine process dies (a crash, the OOM killer, ``SIGKILL``), the requests
+it was serving get a :class:`GenerationError` with reason ``engine_died`` (an
+error event and the end of their stream), and Ray restarts the engine in the same
+bundle (``ENGINE_MAX_RESTARTS``; its constructor reloads the model, the KV pool
+starts full). Until it is back, the persistent replica rejects new requests
+(``decoder_unhealthy``: they fall back to the standard lane) and the standard
+replica's new requests wait for it. Once the restarts are used up the engine
+stays dead, the health check fails and Serve replaces the replica.
+
+When the ingress replica reading a stream dies, nothing tells the replica (Ray does not
+cancel a streaming call whose caller died), so each replica polls the callers it streams to
+(``CALLER_CHECK_S``) and cancels the engine work of a dead one's requests, freeing their pages.
 """
 
 from __future__ import annotations
@@ -28,7 +41,21 @@ from ops.telemetry.tracing import (
     setup_tracing,
 )
 from replicas.engine_actor import EngineActor
-from replicas.messages import GenerateRequest, Started
+from replicas.messages import GenerateRequest, GenerationError, Rejection, Started
+
+ENGINE_MAX_RESTARTS = 3
+"""How many times Ray restarts a replica's engine actor in place after its process died; after that
+the replica's health check fails and Serve replaces the replica."""
+
+ENGINE_DIED = "engine_died"
+"""``GenerationError.reason`` of a request whose engine process died while serving it."""
+
+CALLER_CHECK_S = 2.0
+"""How often a replica checks that the ingress replicas it streams to are alive; the engine work of a
+dead one's requests is cancelled (their pages freed) within about this long."""
+
+STATS_TIMEOUT_S = 2.0
+"""``/debug/stats`` skips an engine that does not answer this fast (dead or restarting)."""
 
 ENGINE_ACTOR_PREFIX = "persistent-serve-engine-"
 """Engine actors are named ``<prefix><lane>-<id>@<app>`` so operators, benchmarks and the
@@ -60,8 +87,13 @@ async def engine_actor_stats(lane: str, app: str) -> list[dict]:
     time (``max_ongoing_requests=1``), so a stats call would queue behind it.
     """
     actors = await asyncio.to_thread(_live_engine_actors, lane, app)
-    results = await asyncio.gather(*(a.stats.remote() for a in actors), return_exceptions=True)
-    return [r for r in results if isinstance(r, dict)]  # an actor dying meanwhile is skipped
+    results = await asyncio.gather(*(asyncio.wait_for(_ask_stats(a), STATS_TIMEOUT_S) for a in actors),
+                                   return_exceptions=True)
+    return [r for r in results if isinstance(r, dict)]  # a dead or restarting actor is skipped
+
+
+async def _ask_stats(actor) -> dict:
+    return await actor.stats.remote()
 
 
 class _EngineReplica:
@@ -75,6 +107,7 @@ class _EngineReplica:
         self.actor = actor_cls.options(
             num_cpus=engine_num_cpus, num_gpus=engine_num_gpus, scheduling_strategy=strategy,
             max_concurrency=1000, name=engine_actor_name(self.lane, serve.get_replica_context().app_name),
+            max_restarts=ENGINE_MAX_RESTARTS, max_task_retries=0,  # in-flight requests fail; new ones wait
         ).remote(
             config.engine, self.lane, config.persistent_decoder.value, config.persistent_backend,
             config.persistent_decoder_checkpoint, config.persistent_fault_injection, tracing=config.tracing,
@@ -82,27 +115,89 @@ class _EngineReplica:
         # Block construction until the engine is loaded: a failed load fails the replica (and,
         # with --persistent-decoder required, the app) with the engine's own message.
         self.info = ray.get(self.actor.ready.remote())
+        self._engine_down = False  # the engine died and is not back yet
+        self._engine_watch: asyncio.Task | None = None
+        self._callers: dict[str, dict] = {}  # caller actor id -> {"streams": {request id: stream}, "task"}
+        self._orphaned: set[str] = set()  # request ids cancelled because their caller died
+
+    def _engine_died(self) -> None:
+        """The engine process died: wait in the background until Ray has restarted it."""
+        if not self._engine_down:
+            self._engine_down = True
+            self._engine_watch = asyncio.ensure_future(self._await_engine())
+
+    async def _await_engine(self) -> None:
+        try:
+            self.info = await self.actor.ready.remote()
+            self._engine_down = False
+        except ray.exceptions.RayActorError:
+            pass  # restarts used up: stays down; check_health fails and Serve replaces the replica
+
+    def _watch_caller(self, caller, request_id: str, stream) -> None:
+        """Register ``stream`` under its caller; one watcher per caller polls that the caller is alive."""
+        actor_id, handle = caller
+        entry = self._callers.get(actor_id)
+        if entry is None:
+            entry = self._callers[actor_id] = {"streams": {}}
+            entry["task"] = asyncio.ensure_future(self._caller_watch(actor_id, handle))
+        entry["streams"][request_id] = stream
+
+    async def _caller_watch(self, actor_id: str, handle) -> None:
+        entry = self._callers[actor_id]
+        while entry["streams"]:
+            await asyncio.sleep(CALLER_CHECK_S)
+            try:
+                await asyncio.wait_for(handle.__ray_ready__.remote(), CALLER_CHECK_S)
+            except asyncio.TimeoutError:
+                continue  # busy, not dead
+            except ray.exceptions.RayActorError:  # the ingress died: nobody reads these streams any more
+                for request_id, stream in list(entry["streams"].items()):
+                    self._orphaned.add(request_id)
+                    ray.cancel(stream)
+                break
+        self._callers.pop(actor_id, None)
 
     async def generate(self, g: GenerateRequest):
         """Stream the engine actor's events for ``g`` (see ``replicas.messages``); the persistent
         pool first yields :class:`Started` so the router knows a replica took the request.
 
         Opens span ``replica.generate`` (child of the caller's span named by ``g.trace_context``)
-        and hands the actor ``g`` with this span's trace context.
+        and hands the actor ``g`` with this span's trace context. If the engine process dies, the
+        request ends with a :class:`GenerationError` (reason ``engine_died``); while the engine
+        restarts, a persistent replica answers :class:`Rejection` (``decoder_unhealthy``).
         """
         if self.lane == "persistent":
             yield Started(g.request_id)
+            if self._engine_down:
+                yield Rejection(g.request_id, "decoder_unhealthy", detail="the engine is restarting")
+                return
         span = get_tracer().start_span(SPAN_REPLICA, context=extract_context(g.trace_context),
                                        attributes={ATTR_LANE: self.lane, ATTR_REQUEST_ID: g.request_id})
-        g = dataclasses.replace(g, trace_context=inject_context(span))
+        caller, g = g.caller, dataclasses.replace(g, trace_context=inject_context(span), caller=None)
         stream = self.actor.generate.options(num_returns="streaming").remote(g)
+        if caller is not None:
+            self._watch_caller(caller, g.request_id, stream)
         finished = False
         try:
             async for ref in stream:
                 yield await ref
             finished = True
+        except ray.exceptions.TaskCancelledError:
+            if g.request_id not in self._orphaned:
+                raise
+            finished = True  # its ingress died: the engine stopped it and freed its pages
+            span.set_attribute("error.type", "caller_died")
+        except ray.exceptions.RayActorError as exc:  # the engine process died under this request
+            finished = True
+            self._engine_died()
+            span.set_attribute("error.type", ENGINE_DIED)
+            yield GenerationError(g.request_id, f"the {self.lane} engine serving this request died ({type(exc).__name__}); "
+                                  "the request was lost, retry it", self.lane, "postlaunch", ENGINE_DIED)
         finally:
             span.end()
+            self._orphaned.discard(g.request_id)
+            if caller is not None and caller[0] in self._callers:
+                self._callers[caller[0]]["streams"].pop(g.request_id, None)
             if not finished:  # the caller went away (client disconnect): stop the actor's work too
                 ray.cancel(stream)
 

@@ -23,6 +23,7 @@ Streaming sends ``response.created``, ``response.in_progress``, per item
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -383,7 +384,8 @@ async def serve_responses(ingress, body: ResponsesRequest, http):
     """Answer ``POST /v1/responses`` through the ingress's chat path (one call from the ingress)."""
     ingress._check_model(body.model)
     chat = to_chat_request(body, ingress.model_name)
-    plan = ingress.chat_planner.plan(chat)
+    ingress.guard.check_request(chat)  # request limits (deployments/security.py)
+    plan = await asyncio.to_thread(ingress.chat_planner.plan, chat)  # off the event loop
     planner = ingress.chat_planner
     fmt = ResponsesFormat(ingress.model_name, body, planner.encoding if plan.declared_tools is not None else None,
                           plan.declared_tools)

@@ -19,6 +19,12 @@ the pool autoscales on). If no replica takes it within ``spillover_wait_s``,
 or Serve's ``max_queued_requests`` refuses it, it goes to the standard lane
 with reason ``persistent_capacity``: a ``fallback`` span and the counter
 ``persistent_serve_spillovers_total``.
+
+Failures: a replica that dies under a request (the handle raises) ends that request's
+stream with a ``GenerationError`` (``replica_died``) rather than an exception, so the
+client gets an error event. A standard-lane request whose replica or engine died before
+any of its output was passed on is sent again (``STANDARD_RETRIES``), since the client
+cannot tell; on the persistent lane a failure after ``Started`` stays terminal.
 """
 
 from __future__ import annotations
@@ -26,11 +32,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from opentelemetry import trace
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+)
 
 from ops.telemetry.metrics import RequestClock, get_metrics
 from ops.telemetry.tracing import (
@@ -53,8 +65,22 @@ from policy import (
 )
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection, Started
 
+logger = logging.getLogger(__name__)
+
 OVERLOADED = "overloaded"
 """``GenerationError.reason`` when the standard pool's queue is full (HTTP 503 + Retry-After)."""
+
+REPLICA_DIED = "replica_died"
+"""``GenerationError.reason`` when the replica serving a request died under it (Ray/Serve raised)."""
+
+REPLICA_UNAVAILABLE = "replica_unavailable"
+"""``GenerationError.reason`` when no live standard replica could take the request (HTTP 503 + Retry-After)."""
+
+STANDARD_RETRIES = 2
+"""Times a standard-lane request is sent again when its replica or engine died before any output
+reached the client (nothing was delivered, so the client cannot tell). Never after output."""
+
+_REPLICA_FAILURES = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
 
 UNHEALTHY_RETRY_S = 5.0
 """After a replica reports an unhealthy or unusable decoder, skip the persistent lane this long
@@ -98,6 +124,7 @@ class Router:
         self._spill_counter = spillover_counter()
         self._unhealthy_until = 0.0
         self._unsupported_until = 0.0
+        self.caller = _this_actor()
 
     def _status(self) -> PersistentLaneStatus:
         # capacity is not guessed here: an eligible request queues for a replica and spills on timeout
@@ -170,7 +197,8 @@ class Router:
                 counted = True
 
         def hop(request: GenerateRequest) -> GenerateRequest:
-            return dataclasses.replace(request, trace_context=inject_context(span, force_sample=fell_back))
+            return dataclasses.replace(request, trace_context=inject_context(span, force_sample=fell_back),
+                                       caller=self.caller)
 
         try:
             lane = decision.lane
@@ -186,7 +214,7 @@ class Router:
                     rejected = None
                     self.in_flight += 1
                     try:
-                        async for item in stream:
+                        async for item in _ended_by_error(stream, g.request_id, Lane.PERSISTENT.value):
                             if isinstance(item, Rejection):
                                 rejected = item
                                 break
@@ -212,19 +240,41 @@ class Router:
                     fell_back = True
                     span.set_attribute(ATTR_LANE, Lane.STANDARD.value)
                     span.set_attribute(ATTR_REASON, rejected.reason)
+            async for item in self._standard(hop(g), span):
+                clock.chunk(item)
+                count(item)
+                yield item
+        finally:
+            clock.finish(get_metrics())
+            span.end()
+
+    async def _standard(self, g: GenerateRequest, span) -> AsyncIterator[GenerationChunk | GenerationError]:
+        """The standard lane's stream for ``g``; sent again (``STANDARD_RETRIES``) when its replica or engine
+        died before any output, an error event when it died after, 503 items when Serve refuses it."""
+        for attempt in range(STANDARD_RETRIES + 1):
+            delivered = False
+            stream = _ended_by_error(self.standard.options(stream=True).generate.remote(g), g.request_id,
+                                     Lane.STANDARD.value)
             try:
-                async for item in self.standard.options(stream=True).generate.remote(hop(g)):
-                    clock.chunk(item)
-                    count(item)
+                async for item in stream:
+                    lost = isinstance(item, GenerationError) and item.reason in (REPLICA_DIED, "engine_died")
+                    if lost and not delivered and attempt < STANDARD_RETRIES:
+                        span.add_event("retry", {"reason": item.reason, "attempt": attempt + 1})
+                        break  # nothing reached the client: send it again
+                    if lost and not delivered:
+                        item = dataclasses.replace(item, stage="admission", reason=REPLICA_UNAVAILABLE)
+                    delivered = True
                     yield item
+                else:
+                    return
             except BackPressureError as exc:
                 self.overloaded += 1
                 span.set_attribute("overloaded", True)
                 yield GenerationError(g.request_id, f"the server is overloaded, retry later ({exc})",
                                       Lane.STANDARD.value, stage="admission", reason=OVERLOADED)
-        finally:
-            clock.finish(get_metrics())
-            span.end()
+                return
+            finally:
+                await stream.aclose()
 
     def _spill(self, span, request_id: str) -> None:
         """Every persistent replica stayed busy for ``spillover_wait_s``: go standard, traced and counted."""
@@ -240,3 +290,35 @@ class Router:
         with trace.use_span(span, end_on_exit=False):
             record_fallback(reason, stage, request_id, lane=lane, **attrs)
         get_metrics().fallback(reason, stage)
+
+
+def _this_actor():
+    """``(actor id, handle)`` of the actor this router runs in (the ingress replica), or None outside one:
+    replicas watch it and stop the work of requests whose ingress died (``deployments/replicas.py``)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    ctx = ray.get_runtime_context()
+    actor_id = ctx.get_actor_id()
+    return (actor_id, ctx.current_actor) if actor_id else None
+
+
+async def _ended_by_error(stream, request_id: str, lane: str):
+    """Pass ``stream``'s items through; a replica that dies under it (Ray/Serve raise) ends it with a
+    :class:`GenerationError` (reason ``replica_died``, or ``internal_error`` for anything unexpected)
+    instead of an exception, so the client gets an error event and the end of its stream."""
+    try:
+        async for item in stream:
+            yield item
+    except BackPressureError:
+        raise
+    except _REPLICA_FAILURES as exc:
+        logger.warning("request %s: the %s replica serving it died or vanished: %s", request_id, lane,
+                       type(exc).__name__)
+        yield GenerationError(request_id, f"the {lane} replica serving this request died ({type(exc).__name__}); "
+                              "the request was lost, retry it", lane, "postlaunch", REPLICA_DIED)
+    except Exception as exc:  # noqa: BLE001 - never end a client's stream without an error event
+        logger.exception("request %s failed on the %s lane", request_id, lane)
+        yield GenerationError(request_id, f"internal error on the {lane} lane ({type(exc).__name__})", lane,
+                              "postlaunch", "internal_error")

@@ -1,13 +1,32 @@
 """``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` in vLLM's shapes, plus the
 prompt encoding the chat and completions endpoints share (so ``/tokenize`` gives the ids they count
 as prompt tokens).
+
+The encoding functions take a tokenizer or a :class:`~deployments.client_text.ClientTextEncoder`
+(the ingress passes its own, which carries the ``allow-special-tokens`` setting); given a bare
+tokenizer they use a cached encoder that keeps special-token strings in client text as text.
 """
 
 from __future__ import annotations
 
+import weakref
+
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.client_text import ClientTextEncoder
 from deployments.protocol import ChatMessage, OpenAIError
+
+_ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def client_encoder(tokenizer_or_encoder) -> ClientTextEncoder:
+    """``tokenizer_or_encoder`` itself if it is an encoder, else the (cached) text-only encoder of the tokenizer."""
+    if isinstance(tokenizer_or_encoder, ClientTextEncoder):
+        return tokenizer_or_encoder
+    enc = _ENCODERS.get(tokenizer_or_encoder)
+    if enc is None:
+        enc = _ENCODERS[tokenizer_or_encoder] = ClientTextEncoder(tokenizer_or_encoder)
+    return enc
 
 
 class TokenizeRequest(BaseModel):
@@ -34,9 +53,17 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+def _hf(tokenizer_or_encoder):
+    """The Hugging Face tokenizer of an encoder, or the tokenizer itself."""
+    if isinstance(tokenizer_or_encoder, ClientTextEncoder):
+        return tokenizer_or_encoder.tokenizer
+    return tokenizer_or_encoder
+
+
 def encode_prompt(tokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    """The prompt ids of a completions request (special-token strings in it as the encoder decides)."""
     try:
-        return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        return client_encoder(tokenizer).encode_text(prompt, add_special_tokens=add_special_tokens)
     except Exception as exc:  # noqa: BLE001 - e.g. lone surrogates: the client's input
         raise OpenAIError(f"could not tokenize the prompt: {exc}", param="prompt") from exc
 
@@ -52,18 +79,15 @@ def encode_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
             raise OpenAIError(f"messages[{i}].content is not valid Unicode text ({exc.reason} at "
                               f"position {exc.start})", param=f"messages.{i}.content") from exc
     try:
-        if add_special_tokens:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=False)
-            return list(tokenizer.encode(text, add_special_tokens=True))
-        enc = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return client_encoder(tokenizer).encode_chat(conversation, add_generation_prompt, add_special_tokens)
+    except OpenAIError:
+        raise
     except Exception as exc:  # noqa: BLE001 - template errors are the client's input
         raise OpenAIError(f"could not apply the chat template: {exc}", param="messages") from exc
-    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
 def check_token_ids(tokenizer, ids: list[int], param: str) -> None:
-    vocab = len(tokenizer)
+    vocab = len(_hf(tokenizer))
     bad = next((t for t in ids if t < 0 or t >= vocab), None)
     if bad is not None:
         raise OpenAIError(f"token id {bad} is out of range: ids must be in [0, {vocab})", param=param)
@@ -79,14 +103,14 @@ def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int) -> dict:
         ids = encode_prompt(tokenizer, req.prompt, req.add_special_tokens is not False)
     out = {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
     if req.return_token_strs:
-        out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+        out["token_strs"] = _hf(tokenizer).convert_ids_to_tokens(ids)
     return out
 
 
 def detokenize(tokenizer, req: DetokenizeRequest) -> dict:
     """``{"prompt": text}`` for ``req.tokens`` (400 naming ``tokens`` for ids outside the vocabulary)."""
     check_token_ids(tokenizer, req.tokens, "tokens")
-    return {"prompt": tokenizer.decode(req.tokens)}
+    return {"prompt": _hf(tokenizer).decode(req.tokens)}
 
 
 _LOCAL_FIELDS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local", "local_files_only")

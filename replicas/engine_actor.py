@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -50,6 +51,16 @@ def _placement_group_id() -> str | None:
         import ray
 
         return ray.get_runtime_context().get_placement_group_id() if ray.is_initialized() else None
+    except ImportError:
+        return None
+
+
+def _node_id() -> str | None:
+    """Hex id of the Ray node this actor runs on (None outside Ray)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     except ImportError:
         return None
 
@@ -177,8 +188,10 @@ class EngineActor:
                 logger.debug("gauge refresh failed", exc_info=True)
 
     async def stats(self) -> dict:
-        """KV page accounting and queue depth (read by tests and the debug endpoint)."""
-        return {**self._stats(), "placement_group_id": _placement_group_id(), "settings": self.settings}
+        """KV page accounting and queue depth, the resolved settings, and where the engine runs (placement
+        group, node, process id; read by tests, the chaos runs and the debug endpoint)."""
+        return {**self._stats(), "placement_group_id": _placement_group_id(), "settings": self.settings,
+                "node_id": _node_id(), "pid": os.getpid()}
 
     def _scheduled(self, request_id: str) -> None:
         rt = self._requests.get(request_id)

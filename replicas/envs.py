@@ -42,7 +42,22 @@ CACHE = EnvVar(
     "default ~/.cache/persistent-serve.",
 )
 
-VARIABLES: tuple[EnvVar, ...] = (CACHE,)
+API_KEY = EnvVar(
+    "PERSISTENT_SERVE_API_KEY",
+    None,
+    "API keys clients must send as `Authorization: Bearer KEY` (comma- or whitespace-separated, one or more); "
+    "added to the `api-key` option's. Read by the ingress replica, so set it where Ray runs (every node's "
+    "`ray start` environment, or a Kubernetes secret on every Ray container). Unset and no option: no key needed.",
+)
+
+ADMIN_API_KEY = EnvVar(
+    "PERSISTENT_SERVE_ADMIN_API_KEY",
+    None,
+    "Keys for the admin routes (`/debug/...`), same format; they also work as API keys. Unset and no "
+    "`admin-api-key` option: admin routes answer loopback clients only.",
+)
+
+VARIABLES: tuple[EnvVar, ...] = (CACHE, API_KEY, ADMIN_API_KEY)
 """All of them, in the order ``docs/operations.md`` lists them."""
 
 
@@ -50,3 +65,17 @@ def cache_dir() -> Path:
     """Where converted checkpoints are cached: ``$PERSISTENT_SERVE_CACHE`` or ``~/.cache/persistent-serve``."""
     root = CACHE.raw()
     return Path(root) if root else Path.home() / ".cache" / "persistent-serve"
+
+
+def _keys(var: EnvVar) -> tuple[str, ...]:
+    return tuple(k for k in (var.raw() or "").replace(",", " ").split() if k)
+
+
+def api_keys() -> tuple[str, ...]:
+    """The API keys of ``$PERSISTENT_SERVE_API_KEY`` (empty when unset)."""
+    return _keys(API_KEY)
+
+
+def admin_api_keys() -> tuple[str, ...]:
+    """The admin keys of ``$PERSISTENT_SERVE_ADMIN_API_KEY`` (empty when unset)."""
+    return _keys(ADMIN_API_KEY)

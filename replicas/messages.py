@@ -10,6 +10,7 @@ a single :class:`Rejection` (nothing ran: the caller may fall back), or a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from policy import AdmissionInput
 from replicas.request import SamplingParams
@@ -31,6 +32,9 @@ class GenerateRequest:
             the next hop's span is its child (``ops.telemetry.tracing.inject_context``).
         lane_override: ``"standard"`` or ``"persistent"`` when the client forced
             a lane (request header ``x-lane``), else None.
+        caller: ``(actor id, actor handle)`` of the process that will read the
+            stream (the ingress replica), so a replica can stop the work of a
+            caller that died; None outside an actor. Not passed to engines.
     """
 
     request_id: str
@@ -40,6 +44,7 @@ class GenerateRequest:
     kv_transfer: bool = False
     trace_context: dict[str, str] = field(default_factory=dict)
     lane_override: str | None = None
+    caller: tuple[str, Any] | None = None
 
     @property
     def num_sequences(self) -> int:

@@ -77,7 +77,8 @@ async def leaked_pages(client: httpx.AsyncClient, url: str, settle_s: float = 15
     deadline = time.monotonic() + settle_s
     while True:
         stats = (await client.get(url + "/debug/stats")).json()
-        used = sum(s["kv_pages_total"] - s["kv_pages_free"] for k, s in stats.items() if k != "router")
+        used = sum(s["kv_pages_total"] - s["kv_pages_free"] for k, s in stats.items()
+                   if k in ("standard", "persistent"))
         if used == 0 or time.monotonic() > deadline:
             return used
         await asyncio.sleep(0.25)

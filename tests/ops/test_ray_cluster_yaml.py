@@ -63,10 +63,29 @@ def test_node_types(config: dict[str, Any]) -> None:
 
 
 def test_installs_the_project_and_aiter_from_source_and_starts_serve(config: dict[str, Any]) -> None:
-    assert config["file_mounts"] == {"~/persistent-serve": "."}
+    assert config["file_mounts"]["~/persistent-serve"] == "."
     assert (REPO_ROOT / "pyproject.toml").is_file()  # `ray up` runs from the repo root
     assert "pip install -e ~/persistent-serve" in config["setup_commands"]
     worker = " ".join(config["worker_setup_commands"])
     assert "git clone" in worker and "ROCm/aiter" in worker and "pip install aiter" not in worker
     assert any("serve deploy serve_config.yaml" in c for c in config["head_start_ray_commands"])
     assert (REPO_ROOT / "serve_config.yaml").is_file()
+
+
+def test_locked_down_token_auth_loopback_dashboard_and_keys_from_a_secret(config: dict[str, Any]) -> None:
+    """Ray token authentication on every node, the dashboard on loopback, API keys from a file outside
+    the repository exported before `ray start` (docs/operations.md, "Security")."""
+    starts = [*config["head_start_ray_commands"], *config["worker_start_ray_commands"]]
+    ray_starts = [c for c in starts if "ray start" in c or "serve deploy" in c]
+    assert len(ray_starts) == 3
+    for command in ray_starts:
+        assert "RAY_AUTH_MODE=token" in command, command
+    for command in (c for c in ray_starts if "ray start" in c):
+        assert 'PERSISTENT_SERVE_API_KEY="$(cat ~/.persistent-serve/api_key)"' in command
+    head = next(c for c in config["head_start_ray_commands"] if "ray start --head" in c)
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
+    mounts = config["file_mounts"]
+    assert mounts["~/.ray/auth_token"] == "~/.ray/auth_token"  # Ray's default token path, from the operator
+    secret = mounts["~/.persistent-serve/api_key"]
+    assert secret.startswith("~/") and not (REPO_ROOT / secret).exists()  # outside the repository
+    assert "0.0.0.0" not in CLUSTER_YAML.read_text().split("head_start_ray_commands")[1]

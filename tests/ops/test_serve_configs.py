@@ -44,7 +44,11 @@ def test_args_build_the_app_with_per_pool_autoscaling(serve_config: dict) -> Non
 def test_rayservice_carries_the_same_serve_config(serve_config: dict) -> None:
     manifest = yaml.safe_load((REPO_ROOT / "deploy" / "rayservice.yaml").read_text())
     assert manifest["kind"] == "RayService" and manifest["apiVersion"] == "ray.io/v1"
-    assert yaml.safe_load(manifest["spec"]["serveConfigV2"]) == serve_config
+    carried = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    # the same config but for the bind address: the pod network there, loopback in serve_config.yaml
+    assert carried["http_options"].pop("host") == "0.0.0.0"
+    assert {**serve_config, "http_options": {k: v for k, v in serve_config["http_options"].items()
+                                             if k != "host"}} == carried
     cluster = manifest["spec"]["rayClusterConfig"]
     assert cluster["enableInTreeAutoscaling"] is True
     (group,) = cluster["workerGroupSpecs"]
@@ -82,3 +86,68 @@ def test_laptop_config_is_the_production_config_minus_the_hardware(serve_config:
     config = AppConfig.from_args(args)
     assert config.gpus_per_engine(config.persistent_pool) == 0
     assert config.persistent_decoder_checkpoint is None and config.persistent_pool.max_ongoing_requests == 1
+
+
+SECRET_NAMES = {"api_key", "admin_api_key", "RAY_AUTH_TOKEN", "PERSISTENT_SERVE_API_KEY",
+                "PERSISTENT_SERVE_ADMIN_API_KEY"}
+
+
+def _secret_literals(node, path=""):
+    """Paths where a YAML document spells out a secret: a key option, or an env entry with a `value`."""
+    if isinstance(node, dict):
+        if node.get("name") in SECRET_NAMES and "value" in node:
+            yield f"{path}.{node['name']}"
+        for k, v in node.items():
+            if str(k).replace("-", "_") in SECRET_NAMES:
+                yield f"{path}.{k}"
+            yield from _secret_literals(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _secret_literals(v, f"{path}[{i}]")
+
+
+CONFIG_FILES = ("serve_config.yaml", "deploy/serve_config.laptop.yaml", "deploy/rayservice.yaml", "ray_cluster.yaml")
+
+
+def test_serve_binds_loopback_and_no_config_holds_a_key(serve_config: dict) -> None:
+    """Serve on 127.0.0.1 by default; no API key option in any shipped config (keys come from secrets)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    assert serve_config["http_options"]["host"] == "127.0.0.1"
+    assert ServeDeploySchema.model_validate(serve_config).http_options.keep_alive_timeout_s == 90
+    laptop = yaml.safe_load((REPO_ROOT / "deploy" / "serve_config.laptop.yaml").read_text())
+    assert laptop["http_options"]["host"] == "127.0.0.1"
+    planted = {"args": {"api-key": "k"}, "env": [{"name": "RAY_AUTH_TOKEN", "value": "t"}]}
+    assert len(list(_secret_literals(planted))) == 2  # the walker finds what it looks for
+    for name in CONFIG_FILES:
+        text = (REPO_ROOT / name).read_text()
+        docs = [yaml.safe_load(text)]
+        if name == "deploy/rayservice.yaml":
+            docs.append(yaml.safe_load(docs[0]["spec"]["serveConfigV2"]))
+        for doc in docs:
+            assert not list(_secret_literals(doc)), (name, list(_secret_literals(doc)))
+        # shell exports in the cluster launcher read the key from a file, never spell it out
+        for line in text.splitlines():
+            if "PERSISTENT_SERVE_API_KEY=" in line:
+                assert 'PERSISTENT_SERVE_API_KEY="$(cat ' in line, (name, line)
+    for app in (serve_config, laptop):
+        args = app["applications"][0]["args"]
+        assert not {"api_key", "admin_api_key"} & set(args)
+
+
+def test_rayservice_is_locked_down() -> None:
+    """Ray token auth via KubeRay's authOptions, ClusterIP services, API keys from a Kubernetes secret on
+    every Ray container (the ingress may be scheduled on any node)."""
+    manifest = yaml.safe_load((REPO_ROOT / "deploy" / "rayservice.yaml").read_text())
+    cluster = manifest["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    assert cluster["headGroupSpec"]["serviceType"] == "ClusterIP"
+    containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0],
+                  *(g["template"]["spec"]["containers"][0] for g in cluster["workerGroupSpecs"])]
+    for container in containers:
+        env = {e["name"]: e for e in container["env"]}
+        ref = env["PERSISTENT_SERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "persistent-serve-api-keys", "key": "api-key"}
+        assert "value" not in env["PERSISTENT_SERVE_API_KEY"]
+        assert env["PERSISTENT_SERVE_ADMIN_API_KEY"]["valueFrom"]["secretKeyRef"]["optional"] is True
+        assert all("value" not in e for e in container["env"])  # no literal anywhere
