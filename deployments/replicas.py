@@ -1,10 +1,20 @@
-"""``PersistentReplica`` and ``StandardReplica``: Serve deployments wrapping an engine actor.
+"""``PersistentReplica``, ``StandardReplica`` and ``ColocatedReplica``: Serve deployments wrapping an
+engine actor.
 
 Each replica is a thin async shell. Its engine (model, KV cache, lane) lives in
 a Ray actor created in bundle 1 of the replica's own placement group, so one
 replica = one bundle = one GPU on GPU machines, and the actor fate-shares with
 its replica. The replica's health check fails when its persistent decoder was
 marked unhealthy after a launch failure, so Serve replaces it.
+
+``ColocatedReplica`` (``colocated=true``) hosts both lanes over one engine (one copy of the
+weights, one KV page pool): ``generate`` is its standard entry, ``generate_persistent`` its
+persistent one. After a persistent failure it keeps serving the standard lane and fails its health
+check once that lane is idle, or ``COLOCATED_DRAIN_S`` after the failure, whichever comes first.
+
+Persistent replicas report ``eligible_demand`` to Serve's autoscaler (``record_autoscaling_stats``):
+the persistent requests running plus the eligible requests the routers spilled to the standard lane
+(``deployments.autoscaling`` scales the pool on it).
 """
 
 from __future__ import annotations
@@ -33,6 +43,11 @@ from replicas.messages import GenerateRequest, Started
 ENGINE_ACTOR_PREFIX = "persistent-serve-engine-"
 """Engine actors are named ``<prefix><lane>-<id>@<app>`` so operators, benchmarks and the
 ingress's ``/debug/stats`` can find them (see :func:`engine_actor_stats`)."""
+
+
+COLOCATED_DRAIN_S = 30.0
+"""A co-located replica whose persistent decoder failed fails its health check (so Serve replaces it)
+once its standard lane is idle, or this many seconds after the failure."""
 
 
 def engine_actor_name(lane: str, app: str) -> str:
@@ -90,12 +105,17 @@ class _EngineReplica:
         Opens span ``replica.generate`` (child of the caller's span named by ``g.trace_context``)
         and hands the actor ``g`` with this span's trace context.
         """
-        if self.lane == "persistent":
+        async for item in self._stream(g, self.lane if self.lane != "colocated" else "standard"):
+            yield item
+
+    async def _stream(self, g: GenerateRequest, lane: str):
+        if lane == "persistent":
             yield Started(g.request_id)
         span = get_tracer().start_span(SPAN_REPLICA, context=extract_context(g.trace_context),
-                                       attributes={ATTR_LANE: self.lane, ATTR_REQUEST_ID: g.request_id})
+                                       attributes={ATTR_LANE: lane, ATTR_REQUEST_ID: g.request_id})
         g = dataclasses.replace(g, trace_context=inject_context(span))
-        stream = self.actor.generate.options(num_returns="streaming").remote(g)
+        args = (g, lane) if self.lane == "colocated" else (g,)
+        stream = self.actor.generate.options(num_returns="streaming").remote(*args)
         finished = False
         try:
             async for ref in stream:
@@ -105,6 +125,10 @@ class _EngineReplica:
             span.end()
             if not finished:  # the caller went away (client disconnect): stop the actor's work too
                 ray.cancel(stream)
+
+    async def ping(self) -> dict:
+        """A cheap round trip (the router's readiness probe): the lane this replica serves."""
+        return {"lane": self.lane}
 
     async def stats(self) -> dict:
         """The engine's stats plus where it runs: the replica's and the actor's placement groups."""
@@ -121,11 +145,26 @@ class _EngineReplica:
             raise RuntimeError(f"persistent decoder unhealthy: {stats.get('unhealthy_reason')}")
 
 
+async def eligible_demand(app: str) -> float:
+    """Eligible requests of ``app`` now: persistent requests running plus requests spilled to the standard
+    lane for capacity (read from the engines directly, as ``/debug/stats`` does)."""
+    persistent, standard = await asyncio.gather(engine_actor_stats("persistent", app),
+                                                engine_actor_stats("standard", app))
+    return float(sum(int(e.get("running", 0)) for e in persistent)
+                 + sum(int(e.get("spilled_running", 0)) for e in standard))
+
+
 @serve.deployment(name="PersistentReplica", max_ongoing_requests=1, health_check_period_s=5)
 class PersistentReplica(_EngineReplica):
     """Batch-one greedy decoding in quanta (the persistent lane)."""
 
     lane = "persistent"
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metric ``eligible_demand`` (read by ``deployments.autoscaling``)."""
+        from deployments.autoscaling import ELIGIBLE_DEMAND
+
+        return {ELIGIBLE_DEMAND: await eligible_demand(serve.get_replica_context().app_name)}
 
 
 @serve.deployment(name="StandardReplica", max_ongoing_requests=64, health_check_period_s=10)
@@ -133,3 +172,33 @@ class StandardReplica(_EngineReplica):
     """Continuous batching for everything else (the standard lane)."""
 
     lane = "standard"
+
+
+@serve.deployment(name="ColocatedReplica", max_ongoing_requests=65, health_check_period_s=5)
+class ColocatedReplica(_EngineReplica):
+    """Both lanes over one engine (one copy of the weights, one KV page pool): one replica per GPU."""
+
+    lane = "colocated"
+
+    def __init__(self, config, engine_num_cpus: float, engine_num_gpus: float):
+        super().__init__(config, engine_num_cpus, engine_num_gpus)
+        self._unhealthy_since: float | None = None
+
+    async def generate_persistent(self, g: GenerateRequest):
+        """The persistent entry: :class:`Started`, then the persistent lane's events for ``g`` (a busy lane
+        answers at once with a ``queued_work`` rejection: the router spills it)."""
+        async for item in self._stream(g, "persistent"):
+            yield item
+
+    async def check_health(self) -> None:
+        stats = await self.actor.stats.remote()
+        if not stats.get("backend") or stats.get("decoder_healthy", True):
+            self._unhealthy_since = None
+            return
+        import time
+
+        now = time.monotonic()
+        self._unhealthy_since = self._unhealthy_since or now
+        standard = stats["lanes"]["standard"]
+        if standard["running"] + standard["waiting"] == 0 or now - self._unhealthy_since >= COLOCATED_DRAIN_S:
+            raise RuntimeError(f"persistent decoder unhealthy: {stats.get('unhealthy_reason')}")

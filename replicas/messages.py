@@ -31,6 +31,9 @@ class GenerateRequest:
             the next hop's span is its child (``ops.telemetry.tracing.inject_context``).
         lane_override: ``"standard"`` or ``"persistent"`` when the client forced
             a lane (request header ``x-lane``), else None.
+        spilled: an eligible request the router sent to the standard lane because every
+            persistent replica was busy (reason ``persistent_capacity``); engines count these as
+            persistent demand (stats ``spilled_running``) for the persistent pool's autoscaling.
     """
 
     request_id: str
@@ -40,6 +43,7 @@ class GenerateRequest:
     kv_transfer: bool = False
     trace_context: dict[str, str] = field(default_factory=dict)
     lane_override: str | None = None
+    spilled: bool = False
 
     @property
     def num_sequences(self) -> int:
