@@ -71,8 +71,9 @@ OVERLOADED = "overloaded"
 
 POOL_REFRESH_S = 1.0
 """Seconds between the router's reads of the persistent engines (replica count, busy, healthy)."""
-READY_PROBE_TIMEOUT_S = 10.0
-"""How long one readiness probe (a ``ping`` through a pool's handle) may take."""
+READY_PROBE_TIMEOUT_S = 2.0
+"""How long one readiness probe (a ``ping`` through a pool's handle) may take; past it ``/health`` answers
+503 and the next call probes again."""
 UNHEALTHY_RETRY_S = 5.0
 """After a replica reports an unhealthy or unusable decoder, skip the persistent lane this long
 (Serve replaces an unhealthy replica meanwhile), then try it again."""
