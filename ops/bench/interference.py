@@ -39,7 +39,7 @@ def _medians(records: list[RequestRecord]) -> dict[str, float | None]:
 
     return {"ttft_ms": med(r.ttft for r in ok), "tpot_ms": med(r.tpot for r in ok),
             "itl_ms": med(g for r in ok for g in r.itl), "completed": len(ok), "failed": len(records) - len(ok),
-            "lanes": sorted({r.lane or "?" for r in ok})}
+            "lanes": sorted({r.lane or "?" for r in ok}), "errors": sorted({r.error for r in records if r.error})[:3]}
 
 
 async def _lanes(base_url: str, model: str, persistent: list | None, standard: list | None, max_tokens: int,
