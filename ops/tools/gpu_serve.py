@@ -47,7 +47,7 @@ import httpx
 MODELS = ("smollm2", "gpt-oss-120b", "gpt-oss-20b")
 """Default order: SmolLM2 (the fault and equivalence checks), then the production shape, then 20b."""
 SECTION_COST_S = {"smollm2": 150, "gpt-oss-120b": 170, "gpt-oss-20b": 120, "gsm8k": 40, "fault": 60,
-                  "engine": 50}
+                  "engine": 50, "pytest": 90}
 """Rough device seconds of each section on an H200 (a section starts only if it fits the budget)."""
 
 
@@ -488,8 +488,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu-smoke", action="store_true",
                    help="the same path on CPU, small: SmolLM2 (eager backend) and tiny GPT-OSS shapes")
     p.add_argument("--verbose", action="store_true", help="print the Ray workers' logs too")
+    p.add_argument("--no-pytest", dest="pytest", action="store_false",
+                   help="do not run tests/gpu/test_app_gpu.py at the end (it runs when the budget allows)")
     args = p.parse_args(argv)
     if args.cpu_smoke:
+        args.pytest = False
         args.prompt_len, args.new_tokens, args.batch_new_tokens = 64, 16, 8
         args.num_kv_blocks, args.gsm8k_limit, args.gsm8k_tokens = 256, 2, 32
     if args.data is None:
@@ -515,10 +518,27 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         recipe.save()
         print(report(recipe.results), flush=True)
+        import ray
         from ray import serve
 
         serve.shutdown()
+        ray.shutdown()
+    if args.pytest and recipe.fits("pytest"):
+        recipe.results["pytest"] = recipe.guarded("pytest tests/gpu/test_app_gpu.py", app_test, recipe)
     return recipe.results
+
+
+def app_test(recipe: Recipe) -> dict:
+    """``pytest tests/gpu/test_app_gpu.py`` (the GPU stage's end-to-end app test) in a subprocess."""
+    import subprocess
+    import sys
+
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "tests/gpu/test_app_gpu.py"],
+                          capture_output=True, text=True, timeout=max(60, recipe.left()))
+    tail = (proc.stdout + proc.stderr)[-1500:]
+    log(f"pytest tests/gpu/test_app_gpu.py: rc {proc.returncode}\n{tail}")
+    return {"returncode": proc.returncode, "seconds": round(time.monotonic() - t0, 1), "tail": tail}
 
 
 if __name__ == "__main__":
