@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 
 import ray
@@ -45,6 +46,9 @@ ENGINE_ACTOR_PREFIX = "persistent-serve-engine-"
 ingress's ``/debug/stats`` can find them (see :func:`engine_actor_stats`)."""
 
 
+STATS_TIMEOUT_S = 1.0
+"""How long the autoscaling metric and the router's pool reads wait for one engine's stats (a loading
+engine does not answer until it is loaded; it is left out until then)."""
 COLOCATED_DRAIN_S = 30.0
 """A co-located replica whose persistent decoder failed fails its health check (so Serve replaces it)
 once its standard lane is idle, or this many seconds after the failure."""
@@ -68,15 +72,22 @@ def _live_engine_actors(lane: str, app: str) -> list:
     return out
 
 
-async def engine_actor_stats(lane: str, app: str) -> list[dict]:
+async def engine_actor_stats(lane: str, app: str, timeout_s: float | None = None) -> list[dict]:
     """``stats()`` of every live engine actor of ``lane`` in ``app``, read from the actors directly.
 
     Not through the Serve handle: a persistent replica holds one request at a
     time (``max_ongoing_requests=1``), so a stats call would queue behind it.
+    An actor dying meanwhile is skipped, and with ``timeout_s`` one that does not answer
+    within it too (an engine still loading its model answers only once loaded).
     """
     actors = await asyncio.to_thread(_live_engine_actors, lane, app)
-    results = await asyncio.gather(*(a.stats.remote() for a in actors), return_exceptions=True)
-    return [r for r in results if isinstance(r, dict)]  # an actor dying meanwhile is skipped
+
+    async def one(actor):
+        ref = actor.stats.remote()
+        return await (asyncio.wait_for(ref, timeout_s) if timeout_s is not None else ref)
+
+    results = await asyncio.gather(*(one(a) for a in actors), return_exceptions=True)
+    return [r for r in results if isinstance(r, dict)]
 
 
 class _EngineReplica:
@@ -148,8 +159,8 @@ class _EngineReplica:
 async def eligible_demand(app: str) -> float:
     """Eligible requests of ``app`` now: persistent requests running plus requests spilled to the standard
     lane for capacity (read from the engines directly, as ``/debug/stats`` does)."""
-    persistent, standard = await asyncio.gather(engine_actor_stats("persistent", app),
-                                                engine_actor_stats("standard", app))
+    persistent, standard = await asyncio.gather(engine_actor_stats("persistent", app, STATS_TIMEOUT_S),
+                                                engine_actor_stats("standard", app, STATS_TIMEOUT_S))
     return float(sum(int(e.get("running", 0)) for e in persistent)
                  + sum(int(e.get("spilled_running", 0)) for e in standard))
 
@@ -195,8 +206,6 @@ class ColocatedReplica(_EngineReplica):
         if not stats.get("backend") or stats.get("decoder_healthy", True):
             self._unhealthy_since = None
             return
-        import time
-
         now = time.monotonic()
         self._unhealthy_since = self._unhealthy_since or now
         standard = stats["lanes"]["standard"]

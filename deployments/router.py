@@ -185,10 +185,10 @@ class Router:
         """Read the persistent engines: how many are healthy and how many of them are busy."""
         if self.app_name is None:
             return
-        from deployments.replicas import engine_actor_stats
+        from deployments.replicas import STATS_TIMEOUT_S, engine_actor_stats
 
         mine = self.in_flight
-        engines = await engine_actor_stats(self.engine_lane, self.app_name)
+        engines = await engine_actor_stats(self.engine_lane, self.app_name, STATS_TIMEOUT_S)
         lanes = [e.get("lanes", {}).get("persistent", e) for e in engines]
         healthy = [e for e in lanes if e.get("decoder_healthy", True)]
         self._pool = (len(healthy), sum(int(e.get("running", 0)) for e in healthy), mine)

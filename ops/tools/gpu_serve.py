@@ -46,9 +46,11 @@ import httpx
 
 MODELS = ("smollm2", "gpt-oss-120b", "gpt-oss-20b")
 """Default order: SmolLM2 (the fault and equivalence checks), then the production shape, then 20b."""
-SECTION_COST_S = {"smollm2": 150, "gpt-oss-120b": 170, "gpt-oss-20b": 120, "gsm8k": 40, "fault": 60,
-                  "engine": 50, "pytest": 90}
-"""Rough device seconds of each section on an H200 (a section starts only if it fits the budget)."""
+SECTION_COST_S = {"smollm2": 60, "gsm8k": 30, "fault": 60, "engine:smollm2": 40,
+                  "gpt-oss-120b": 160, "engine:gpt-oss-120b": 100, "gpt-oss-20b": 100, "engine:gpt-oss-20b": 60,
+                  "pytest": 90}
+"""Rough device seconds of each section on an H200 (deploy + serving runs; the engine-direct runs after;
+a section starts only if it fits what is left of the budget)."""
 
 
 class Recipe:
@@ -69,7 +71,7 @@ class Recipe:
         return self.deadline - time.monotonic()
 
     def fits(self, section: str) -> bool:
-        cost = SECTION_COST_S.get(section.split(":")[0], 60) * (0.2 if self.args.cpu_smoke else 1)
+        cost = SECTION_COST_S.get(section, 60) * (0.2 if self.args.cpu_smoke else 1)
         if self.left() >= cost:
             return True
         self.results["skipped"].append(f"{section} (needs ~{cost:.0f} s, {self.left():.0f} s left)")
@@ -177,7 +179,7 @@ def app_args(recipe: Recipe, model: str) -> tuple[dict, dict]:
     """``(serve args, engine facts)`` of ``model``: ``engine facts`` say how to build the same engine
     directly (shape name, model directory)."""
     a = recipe.args
-    common = {"max_model_len": a.prompt_len + a.new_tokens + 64, "num_kv_blocks": a.num_kv_blocks,
+    common = {"max_model_len": prompt_len(a, model) + a.new_tokens + 64, "num_kv_blocks": a.num_kv_blocks,
               "progress": False, "tracing_exporter": "none", "engine_num_cpus": 1.0}
     if a.cpu_smoke:
         common.update(device="cpu", persistent_backend="eager", engine_num_cpus=0.5)
@@ -199,25 +201,33 @@ def app_args(recipe: Recipe, model: str) -> tuple[dict, dict]:
     return args, {"shape": shape, "model": str(directory), "served": model}
 
 
-def bench_plan(recipe: Recipe) -> list[tuple[str, str, int, int, int]]:
+def prompt_len(args, model: str) -> int:
+    """Prompt tokens of ``model``'s runs: GPT-OSS prefill is slow here (each routed expert dequantized
+    per launch), so its prompts are shorter."""
+    return args.prompt_len if model == "smollm2" or args.cpu_smoke else args.gpt_oss_prompt_len
+
+
+def bench_plan(recipe: Recipe, model: str) -> list[tuple[str, str, int, int, int]]:
     """``(label, lane, concurrency, prompts, new tokens)`` of each serving run."""
     a = recipe.args
-    n1 = 4 if a.cpu_smoke else 8
+    n1 = 4 if a.cpu_smoke or model != "smollm2" else 8
     return [("persistent c=1", "persistent", 1, n1, a.new_tokens),
             ("standard c=1", "standard", 1, n1, a.new_tokens),
-            ("standard c=8", "standard", 8, 16, a.batch_new_tokens),
+            ("standard c=8", "standard", 8, 16 if model == "smollm2" else 8, a.batch_new_tokens),
             ("standard c=32", "standard", 32, 32, a.batch_new_tokens)]
 
 
-def serve_bench(recipe: Recipe, base: str, model: str, vocab: int) -> dict:
+def serve_bench(recipe: Recipe, base: str, model: str, served: str, vocab: int) -> dict:
     from ops.bench.serve import random_prompts, run, summarize
 
     a = recipe.args
     out = {}
-    for label, lane, c, n, tokens in bench_plan(recipe):
-        prompts = random_prompts(n, a.prompt_len, 100, min(vocab, 20000), seed=c)
-        asyncio.run(run(base, model, prompts[:2], tokens, float("inf"), 1, 0.0, True, lane, 0, progress=False))
-        records, duration = asyncio.run(run(base, model, prompts, tokens, float("inf"), c, 0.0, True, lane, 0,
+    for label, lane, c, n, tokens in bench_plan(recipe, model):
+        prompts = random_prompts(n, prompt_len(a, model), 100, min(vocab, 20000), seed=c)
+        model_name = served
+        asyncio.run(run(base, model_name, prompts[:2], tokens, float("inf"), 1, 0.0, True, lane, 0,
+                        progress=False))
+        records, duration = asyncio.run(run(base, model_name, prompts, tokens, float("inf"), c, 0.0, True, lane, 0,
                                             progress=False))
         s = summarize(records, duration)
         out[label] = {"summary": _short(s), "lanes": sorted({r.lane or "?" for r in records}),
@@ -227,7 +237,7 @@ def serve_bench(recipe: Recipe, base: str, model: str, vocab: int) -> dict:
     return out
 
 
-def engine_bench(recipe: Recipe, facts: dict, vocab: int) -> dict:
+def engine_bench(recipe: Recipe, model: str, facts: dict, vocab: int) -> dict:
     """The same prompts through the engine directly (built as a replica builds it)."""
     import torch
 
@@ -243,14 +253,14 @@ def engine_bench(recipe: Recipe, facts: dict, vocab: int) -> dict:
 
         real = str(resolve_model(real, progress=False))  # the replicas converted it already
     t0 = time.monotonic()
-    core = build_core(facts["shape"], device, dtype, a.prompt_len + a.new_tokens + 64,
+    core = build_core(facts["shape"], device, dtype, prompt_len(a, model) + a.new_tokens + 64,
                       {"num_kv_blocks": a.num_kv_blocks}, smollm2=real)
     out = {"build_s": round(time.monotonic() - t0, 1), "kernels": core.describe_kernels()}
     from replicas.persistent.factory import create_backend
 
     backend = create_backend("eager" if a.cpu_smoke else "cuda_graph", core)
-    for label, lane, c, n, tokens in bench_plan(recipe):
-        prompts = random_prompts(n, a.prompt_len, 100, min(vocab, 20000), seed=c)
+    for label, lane, c, n, tokens in bench_plan(recipe, model):
+        prompts = random_prompts(n, prompt_len(a, model), 100, min(vocab, 20000), seed=c)
         direct_records(core, lane, prompts[:2], tokens, 1, backend=backend)  # warm-up
         t = time.perf_counter()
         records = direct_records(core, lane, prompts, tokens, c, backend=backend)
@@ -312,14 +322,14 @@ def run_model(recipe: Recipe, model: str) -> None:
                        if isinstance(v, dict) and "engines" in v}
     served = facts["served"]
     res["openai"] = recipe.guarded(f"{model}: openai", openai_smoke, base, served, model == "smollm2")
-    res["serve"] = recipe.guarded(f"{model}: serve bench", serve_bench, recipe, base, served, vocab)
+    res["serve"] = recipe.guarded(f"{model}: serve bench", serve_bench, recipe, base, model, served, vocab)
     if model == "smollm2" and recipe.fits("gsm8k"):
         res["gsm8k"] = recipe.guarded("smollm2: gsm8k", gsm8k_equivalence, recipe, base, served)
     if model == "gpt-oss-120b":
         from ops.bench.interference import format_result, measure
 
         def interference():
-            r = measure(base, served, standard_streams=4, prompt_len=recipe.args.prompt_len,
+            r = measure(base, served, standard_streams=4, prompt_len=prompt_len(recipe.args, model),
                         max_tokens=recipe.args.batch_new_tokens, rounds=1, vocab_high=min(vocab, 20000))
             log("\n" + format_result(r))
             return r
@@ -329,8 +339,8 @@ def run_model(recipe: Recipe, model: str) -> None:
     recipe.undeploy(model)
     if model == "smollm2" and recipe.fits("fault"):
         res["fault"] = recipe.guarded("smollm2: fault", fault, recipe, args)
-    if recipe.fits("engine"):
-        res["engine"] = recipe.guarded(f"{model}: engine direct", engine_bench, recipe, facts, vocab)
+    if recipe.fits(f"engine:{model}"):
+        res["engine"] = recipe.guarded(f"{model}: engine direct", engine_bench, recipe, model, facts, vocab)
     res["table"] = overhead_rows(res)
 
 
@@ -478,7 +488,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data", default=None, help="folder with GSM8K test.jsonl and train_head50.jsonl")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting sections after this many seconds")
-    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens of the SmolLM2 runs")
+    p.add_argument("--gpt-oss-prompt-len", type=int, default=256, help="prompt tokens of the GPT-OSS runs")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens per request at concurrency 1")
     p.add_argument("--batch-new-tokens", type=int, default=128, help="tokens per request at concurrency 8 and 32")
     p.add_argument("--num-kv-blocks", type=int, default=3072, help="KV pages per engine (c=32 x 1,152 tokens fit)")
@@ -493,7 +504,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.pytest = False
-        args.prompt_len, args.new_tokens, args.batch_new_tokens = 64, 16, 8
+        args.prompt_len, args.gpt_oss_prompt_len, args.new_tokens, args.batch_new_tokens = 64, 64, 16, 8
         args.num_kv_blocks, args.gsm8k_limit, args.gsm8k_tokens = 256, 2, 32
     if args.data is None:
         from ops.tools import gsm8k

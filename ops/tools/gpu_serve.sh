@@ -21,6 +21,7 @@ if [ "$mode" = stash ]; then
   exit 0
 fi
 [ "$mode" = run ] || { echo "unknown mode $mode" >&2; exit 2; }
+start=$(date +%s)
 cd "$carry"
 for first in *.part-aa; do
   [ -e "$first" ] || continue
@@ -37,4 +38,6 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} RAY_USAGE_STATS_ENABLED=0
 out=${OUT:-/tmp/gpu_serve_out}
 mkdir -p "$out"
 set -o pipefail
-python3 -m ops.tools.gpu_serve --out "$out" --data "$carry" "$@" 2>&1 | tee "$out/log.txt"
+# the recipe's budget: GPU_SERVE_BUDGET_S (default 480 s) from here on, less what joining and installing took
+budget=$(( ${GPU_SERVE_BUDGET_S:-480} - ( $(date +%s) - start ) ))
+python3 -m ops.tools.gpu_serve --out "$out" --data "$carry" --budget-s "$budget" "$@" 2>&1 | tee "$out/log.txt"
