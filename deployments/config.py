@@ -6,6 +6,9 @@ Accepts the CLI's and ``serve run ... key=value`` spellings
 
 from __future__ import annotations
 
+import json
+import types
+import typing
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -73,6 +76,11 @@ class AppConfig(BaseModel):
         None, ge=0, description="GPUs per engine actor; default 1 when the engine device is CUDA, else 0."
     )
     tracing: TracingConfig = Field(default_factory=TracingConfig, description="OpenTelemetry exporter settings.")
+    harmony_start_date: str = Field(
+        "today", pattern=r"^(today|none|\d{4}-\d{2}-\d{2})$",
+        description="Harmony (GPT-OSS) prompts: the system message's `Current date:` line: today (the "
+        "ingress's local date, as vLLM), none (no line), or a fixed YYYY-MM-DD date.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -131,17 +139,39 @@ class AppConfig(BaseModel):
 
     @classmethod
     def from_args(cls, args: dict | None) -> AppConfig:
-        """Build from a flat dict (``serve run`` args / CLI); engine and tracing keys may be flat.
+        """Build from a flat dict (``serve run`` args / CLI); engine and tracing keys may be flat. A string
+        given for a dict, list or nested-model field (``serve run ... moe_tiles='{"down_pairs": 1}'``) is
+        parsed as JSON.
 
         Raises:
             pydantic.ValidationError: unknown keys or bad values.
+            ValueError: a string for such a field that is not JSON.
         """
         args = {str(k).replace("-", "_"): v for k, v in (args or {}).items()}
         engine = dict(args.pop("engine", {}) or {})
         tracing = dict(args.pop("tracing", {}) or {})
         for key in list(args):
             if key in EngineConfig.model_fields:
-                engine[key] = args.pop(key)
+                engine[key] = _json_if_structured(EngineConfig, key, args.pop(key))
             elif key.startswith("tracing_") and key[8:] in TracingConfig.model_fields:
                 tracing[key[8:]] = args.pop(key)
+            elif key in cls.model_fields:
+                args[key] = _json_if_structured(cls, key, args[key])
         return cls(engine=EngineConfig(**engine), tracing=TracingConfig(**tracing), **args)
+
+
+def _json_if_structured(model: type[BaseModel], key: str, value):
+    """``value`` parsed as JSON when it is a string and ``model.key`` holds a dict, list, tuple or model."""
+    if not isinstance(value, str):
+        return value
+    annotation = model.model_fields[key].annotation
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] if union else [annotation]
+    structured = any(typing.get_origin(a) in (dict, list, tuple) or a in (dict, list, tuple)
+                     or (isinstance(a, type) and issubclass(a, BaseModel)) for a in args)
+    if not structured:
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{key}: expected JSON, got {value!r} ({exc})") from None

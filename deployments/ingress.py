@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.chat_plan import ChatPlanner
 from deployments.config import AppConfig
 from deployments.openai_format import ChatFormat, CompletionFormat, TokenText, to_http
 from deployments.protocol import (
@@ -38,13 +39,13 @@ from deployments.protocol import (
     validation_error,
 )
 from deployments.replicas import engine_actor_stats
+from deployments.responses_api import ResponsesRequest, serve_responses
 from deployments.router import Router
 from deployments.tokenize_api import (
     DetokenizeRequest,
     TokenizeRequest,
     check_token_ids,
     detokenize,
-    encode_chat,
     encode_prompt,
     tokenize,
 )
@@ -149,9 +150,11 @@ class OpenAIIngress:
         self.config = config
         self.model_name = config.engine.name
         self.max_model_len = config.engine.max_model_len
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.engine.model, progress=False))
+        model_dir = resolve_model(config.engine.model, progress=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.token_text = TokenText(self.tokenizer)
         self.app_name = serve.get_replica_context().app_name
+        self.chat_planner = ChatPlanner(self.tokenizer, model_dir, config.harmony_start_date)
         self.router = Router(
             config.persistent_decoder, persistent if config.persistent_enabled else None, standard,
             self.max_model_len, config.spillover_wait_s, app_name=self.app_name,
@@ -192,12 +195,18 @@ class OpenAIIngress:
         if self.router.persistent is not None and not self.router.colocated:
             out["persistent"] = _pool_totals(await engine_actor_stats("persistent", self.app_name))
         out["router"] = self.router.stats()
+        out["ingress"] = self.chat_planner.describe()
         return out
 
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_common(body)
-        return await self._serve(body, encode_chat(self.tokenizer, body.messages), chat=True, http=request)
+        plan = self.chat_planner.plan(body)
+        return await self._serve(body, plan.token_ids, chat=True, http=request, plan=plan)
+
+    @api.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest, request: Request):
+        return await serve_responses(self, body, request)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
@@ -214,6 +223,10 @@ class OpenAIIngress:
     @api.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
         self._check_model(body.model)
+        if body.messages is not None and body.prompt is None and self.chat_planner.harmony:
+            ids = self.chat_planner.plan_harmony([m.model_dump(exclude_none=True) for m in body.messages],
+                                                 None, None, None, None, None).token_ids
+            return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
         return tokenize(self.tokenizer, body, self.max_model_len)
 
     @api.post("/detokenize")
@@ -231,7 +244,7 @@ class OpenAIIngress:
         self._check_model(body.model)
         body.check()
 
-    def _request(self, body, ids: list[int]) -> GenerateRequest:
+    def _request(self, body, ids: list[int], plan=None) -> GenerateRequest:
         """One engine request for all ``n`` choices (the engine derives per-choice seeds)."""
         if not ids:
             raise OpenAIError("the prompt is empty", param="prompt")
@@ -249,7 +262,8 @@ class OpenAIIngress:
                 "the prompt or the completion length.",
                 param="max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens",
                 code="context_length_exceeded")
-        return GenerateRequest(new_id("req"), ids, body.sampling_params(limit or room))
+        params = body.sampling_params(limit or room)
+        return GenerateRequest(new_id("req"), ids, plan.apply(params) if plan is not None else params)
 
     @staticmethod
     def _lane_override(http: Request | None) -> str | None:
@@ -284,14 +298,17 @@ class OpenAIIngress:
             context=extract_context(dict(http.headers)) if http is not None else None,
             attributes={"http.request.method": "POST", "url.path": path, **attributes}), True
 
-    async def _serve(self, body, ids: list[int], chat: bool, echo: str = "", http: Request | None = None):
+    async def _serve(self, body, ids: list[int], chat: bool, echo: str = "", http: Request | None = None,
+                     plan=None, fmt=None):
+        """Run one request and answer it; ``plan`` (chat) adds stop tokens and a grammar, ``fmt`` replaces the
+        response formatter (the Responses API's)."""
         from opentelemetry import trace
         from opentelemetry.trace import Status, StatusCode
 
         arrival = time.monotonic()
         span, owned = self._http_span(http, body, chat)
         try:
-            g = self._request(body, ids)
+            g = self._request(body, ids, plan)
             g.lane_override = self._lane_override(http)
             span.set_attributes({ATTR_REQUEST_ID: g.request_id, ATTR_GEN_AI_INPUT_TOKENS: len(ids),
                                  ATTR_GEN_AI_MAX_TOKENS: g.params.max_tokens})
@@ -311,8 +328,11 @@ class OpenAIIngress:
             raise to_http(first)
         headers = {"x-lane": first.lane}
         logprobs = g.params.logprobs is not None
-        fmt = (ChatFormat(self.model_name, self.token_text, logprobs) if chat
-               else CompletionFormat(self.model_name, self.token_text, logprobs, echo))
+        if fmt is None and plan is not None:
+            fmt = self.chat_planner.formatter(plan, self.model_name, self.token_text, logprobs)
+        elif fmt is None:
+            fmt = (ChatFormat(self.model_name, self.token_text, logprobs) if chat
+                   else CompletionFormat(self.model_name, self.token_text, logprobs, echo))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(

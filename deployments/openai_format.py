@@ -156,7 +156,7 @@ class _Format:
 
     async def collect(self, first, rest, n: int) -> dict:
         """The non-streaming response body."""
-        choices, prompt_tokens = [_Choice() for _ in range(n)], 0
+        choices, prompt_tokens = [self.new_choice() for _ in range(n)], 0
         async for item in _chain(first, rest):
             if isinstance(item, GenerationError):
                 raise to_http(item)
@@ -170,7 +170,7 @@ class _Format:
 
     async def sse(self, first, rest, n: int, include_usage: bool) -> AsyncIterator[str]:
         """The streaming response: SSE chunks, then the usage chunk if asked, then ``[DONE]``."""
-        choices, prompt_tokens = [_Choice() for _ in range(n)], 0
+        choices, prompt_tokens = [self.new_choice() for _ in range(n)], 0
         extra = {"usage": None} if include_usage else {}
         try:
             for i in range(n):
@@ -182,9 +182,9 @@ class _Format:
                     break
                 prompt_tokens = max(prompt_tokens, item.num_prompt_tokens)
                 c, part = self._update(choices, item)
-                finish = _finish(item.finish_reason)
-                if item.text or finish or (part and item.token_ids):
-                    yield sse(self._envelope([self.delta(item.index, item.text, finish, part)], chunk=True, **extra))
+                event = self.event(c, item, _finish(item.finish_reason), part)
+                if event is not None:
+                    yield sse(self._envelope([event], chunk=True, **extra))
             if include_usage:
                 usage = _usage(prompt_tokens, sum(c.completion_tokens for c in choices))
                 yield sse(self._envelope([], chunk=True, usage=usage))
@@ -193,6 +193,15 @@ class _Format:
             await rest.aclose()
 
     # ---- per-format pieces -------------------------------------------------------------------
+    def new_choice(self) -> _Choice:
+        return _Choice()
+
+    def event(self, c: _Choice, item: GenerationChunk, finish: str | None, part: dict | None) -> dict | None:
+        """The SSE choice for ``item`` (already folded into ``c``), or None when it adds nothing."""
+        if item.text or finish or (part and item.token_ids):
+            return self.delta(item.index, item.text, finish, part)
+        return None
+
     def text_offset(self, c: _Choice) -> int:
         return len(c.text)
 

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from deployments.chat_extensions import ResponseFormat, ToolChoice, ToolParam
 from replicas.request import SamplingParams
 
 
@@ -63,6 +64,14 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    """Assistant messages: the calls it made (``id``, ``type``, ``function.name``, ``function.arguments``)."""
+    tool_call_id: str | None = None
+    """Tool messages: the call they answer."""
+    reasoning_content: str | None = None
+    """Assistant messages: their reasoning (vLLM's field; ``reasoning`` is the newer name)."""
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -183,6 +192,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    include_reasoning: bool = True
 
     unsupported_extras: ClassVar[tuple[str, ...]] = (*UNSUPPORTED_EXTRAS, "echo")  # vLLM's chat ``echo`` (prepend the last message)
 
@@ -190,6 +205,16 @@ class ChatCompletionRequest(_SamplingFields):
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        names = [t.function.name for t in self.tools or ()]
+        if self.tool_choice is not None and not isinstance(self.tool_choice, str):
+            if self.tool_choice.function.name not in names:
+                raise OpenAIError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                                  "in tools", param="tool_choice")
+        elif self.tool_choice == "required" and not names:
+            raise OpenAIError("tool_choice 'required' needs at least one tool in tools", param="tool_choice")
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
+            raise OpenAIError("response_format json_schema needs json_schema.schema", param="response_format")
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,6 +1,6 @@
 """Pure serving decisions: admission reasons, quantum sizing, lane choice.
 
-No torch, no ray: stdlib and dataclasses only (DESIGN.md "Layout").
+No torch, no ray: stdlib and dataclasses only (docs/design.md "Layers").
 """
 
 from policy.admission import GREEDY_TEMPERATURE_EPSILON, AdmissionInput, check_admission

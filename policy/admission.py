@@ -1,6 +1,6 @@
 """Persistent-lane admission: the seed's rules, checked in the seed's order.
 
-Source: the seed's (aiter MK1 integration) admission rules, DESIGN.md "Admission".
+Source: the seed's (aiter MK1 integration) admission rules, docs/design.md "Admission".
 Pure: no torch, no ray.
 """
 
@@ -33,6 +33,8 @@ class AdmissionInput:
         has_logits_processing: the logits are changed before the argmax
             (presence/frequency/repetition penalties, min_tokens bans): a
             persistent decoder's plain on-device argmax would pick other tokens.
+        has_structured_output: the output is constrained by a grammar (a JSON schema's token mask,
+            applied by the standard lane's sampler every token).
         has_stop_strings: the request has stop strings.
         has_stop_token_sequences: the request has multi-token stop sequences.
         kv_transfer: the request imports/exports KV cache.
@@ -56,6 +58,7 @@ class AdmissionInput:
     top_k: int | None = None
     logprobs: bool = False
     has_logits_processing: bool = False
+    has_structured_output: bool = False
     has_stop_strings: bool = False
     has_stop_token_sequences: bool = False
     kv_transfer: bool = False
@@ -85,7 +88,7 @@ def check_admission(inp: AdmissionInput) -> Reason | None:
     """Return the first reason ``inp`` cannot run on the persistent lane, or None.
 
     Rules are checked in ``ADMISSION_ORDER`` (the seed's admission rules,
-    DESIGN.md "Admission"), so a request failing several reports the earliest.
+    docs/design.md "Admission"), so a request failing several reports the earliest.
 
     Args:
         inp: the request's admission facts (validated on construction).
@@ -102,6 +105,7 @@ def check_admission(inp: AdmissionInput) -> Reason | None:
         (not inp.is_greedy, Reason.NON_GREEDY),
         (inp.logprobs, Reason.LOGPROBS),
         (inp.has_logits_processing, Reason.LOGITS_PROCESSING),
+        (inp.has_structured_output, Reason.STRUCTURED_OUTPUT),
         (inp.has_stop_strings, Reason.STOP_STRINGS),
         (inp.has_stop_token_sequences, Reason.STOP_TOKEN_SEQUENCES),
         (inp.kv_transfer, Reason.KV_TRANSFER),

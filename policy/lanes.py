@@ -1,6 +1,6 @@
 """Lane choice: persistent or standard, per mode, with the reason.
 
-Source: DESIGN.md "Request lifecycle" and "Admission" (router reasons).
+Source: docs/design.md "Two lanes and the router" and "The router's own reasons".
 Pure: no torch, no ray.
 """
 

@@ -1,7 +1,7 @@
 """Quantum sizing: how many tokens one persistent-decoder launch may emit.
 
-Source: the seed's rule, DESIGN.md "Admission" (quantum size) and
-"Persistent decode contract" (``QuantumRequest.max_tokens``). Pure: no torch, no ray.
+Source: the seed's rule, docs/design.md "Quantum size" and "Persistent decode
+contract" (``QuantumRequest.max_tokens``). Pure: no torch, no ray.
 """
 
 from __future__ import annotations

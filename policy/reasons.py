@@ -1,8 +1,9 @@
 """Stable reason strings for why a request does not run on the persistent lane.
 
 The values are span attributes and metric labels, so they never change once
-released. Admission reasons come from the seed's admission rules (DESIGN.md,
-"Admission"); the router adds its own reasons about the persistent lane itself.
+released. Admission reasons come from the seed's admission rules (docs/design.md
+"Admission"); the router adds its own reasons about the persistent lane itself
+(docs/design.md "The router's own reasons").
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Reason(str, Enum):
     def __str__(self) -> str:
         return self.value
 
-    # Admission reasons (seed's rules, DESIGN.md), in check order.
+    # Admission reasons (seed's rules, docs/design.md "Admission"), in check order.
     DISABLED = ("disabled", "Persistent lane turned off (mode off or replica).")
     SPECULATIVE_DECODE = ("speculative_decode", "Speculative decoding is configured.")
     QUEUED_WORK = ("queued_work", "Other requests are queued or running on the persistent lane.")
@@ -38,13 +39,18 @@ class Reason(str, Enum):
         "logits_processing",
         "Greedy but the logits are changed first (penalties, min_tokens): ours, beyond the seed's list.",
     )
+    STRUCTURED_OUTPUT = (
+        "structured_output",
+        "The output is constrained by a grammar (response_format json_object/json_schema): the token mask "
+        "needs the host every token, so it runs on the standard lane's sampler.",
+    )
     STOP_STRINGS = ("stop_strings", "The request has stop strings.")
     STOP_TOKEN_SEQUENCES = ("stop_token_sequences", "The request has multi-token stop sequences.")
     KV_TRANSFER = ("kv_transfer", "The request imports or exports KV cache.")
     MAX_SEQUENCE_LENGTH = ("max_sequence_length", "Committed tokens >= max_model_len - 1.")
     NO_OUTPUT_REMAINING = ("no_output_remaining", "No output tokens left (max_tokens spent).")
 
-    # Router-only reasons (DESIGN.md, "Admission").
+    # Router-only reasons (docs/design.md "The router's own reasons").
     LANE_UNAVAILABLE = ("lane_unavailable", "No persistent lane is deployed or reachable.")
     PERSISTENT_CAPACITY = ("persistent_capacity", "All persistent replicas are busy.")
     DECODER_UNHEALTHY = ("decoder_unhealthy", "Decoder marked unhealthy by a failure.")
@@ -60,6 +66,7 @@ ADMISSION_ORDER: tuple[Reason, ...] = (
     Reason.NON_GREEDY,
     Reason.LOGPROBS,
     Reason.LOGITS_PROCESSING,
+    Reason.STRUCTURED_OUTPUT,
     Reason.STOP_STRINGS,
     Reason.STOP_TOKEN_SEQUENCES,
     Reason.KV_TRANSFER,

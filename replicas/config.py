@@ -30,10 +30,13 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(
         None, ge=1, description=f"KV pages ({PAGE_SIZE} tokens each); default: 4 x max_model_len worth."
     )
-    max_num_seqs: int = Field(32, ge=1, description="Most requests decoded together on the standard lane.")
+    max_num_seqs: int = Field(256, ge=1, description="Most requests decoded together on the standard lane "
+                              "(vLLM's default); decode CUDA graphs are captured up to it.")
     max_num_batched_tokens: int = Field(4096, ge=16, description="Most new tokens per standard-lane step.")
     enable_prefix_caching: bool = Field(
-        True, description="Share KV pages of equal prompt prefixes on the standard lane (hash-chained full pages)."
+        True, description="Share KV pages of equal prompt prefixes (hash-chained full pages) on the standard lane "
+        "and on the persistent lane where its backend takes cached pages (every backend but mk1, whose envelope "
+        "requires it off)."
     )
     enable_chunked_prefill: bool = Field(
         True, description="Split long prompts across steps under max_num_batched_tokens, mixed with decodes."
@@ -42,7 +45,15 @@ class EngineConfig(BaseModel):
         False, description="Never replay CUDA graphs for standard-lane decode steps (vLLM's flag of that name)."
     )
     cuda_graph_batch_sizes: tuple[int, ...] = Field(
-        (1, 2, 4, 8, 16, 32), description="Batch-size buckets of the standard lane's decode CUDA graphs (GPU only)."
+        (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256),
+        description="Batch-size buckets of the standard lane's decode CUDA graphs (GPU only; those above "
+                    "max_num_seqs are dropped; each is captured the first time a step needs it).",
+    )
+    prefill_kernels: bool = Field(
+        True, description="On a GPU, run prefill, mixed and large standard-lane steps through the Triton prefill "
+        "attention and the MoE's grouped MXFP4 GEMMs (replicas/kernels/prefill_attention.py, "
+        "replicas/kernels/moe/grouped_gemm.py); false keeps the torch reference attention and dequantizes each "
+        "routed expert, e.g. to compare the two. Resolved at load, shown in /debug/stats.",
     )
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's own).")
     progress: bool = Field(True, description="Show progress bars while loading.")
@@ -106,7 +117,7 @@ class EngineConfig(BaseModel):
         """The kernel settings :func:`replicas.models.registry.load_model` passes to
         :meth:`replicas.kernels.decode_ops.DecodeOps.build`."""
         return {"pdl": self.pdl, "moe_backend": self.moe_backend, "moe_repack": self.moe_repack,
-                "moe_tiles": dict(self.moe_tiles)}
+                "moe_tiles": dict(self.moe_tiles), "prefill_kernels": self.prefill_kernels}
 
     def resolved_num_kv_blocks(self) -> int:
         return self.num_kv_blocks or 4 * -(-self.max_model_len // PAGE_SIZE)

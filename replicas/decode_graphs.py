@@ -26,8 +26,8 @@ from replicas.request import Request
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-"""Buckets captured on demand (vLLM-style powers of two up to the default ``max_num_seqs``)."""
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+"""Buckets captured on demand (as ``EngineConfig.cuda_graph_batch_sizes``: up to the default ``max_num_seqs``)."""
 
 
 class DecodeGraphs:
@@ -85,6 +85,26 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return buf["logits"][: len(batch)].clone()
+
+    @torch.inference_mode()
+    def run_staged(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+                   size: int) -> torch.Tensor | None:
+        """:meth:`run` from device tensors (:class:`~replicas.step_inputs.StepInputs`): ``tokens`` and
+        ``positions`` ``[B]``, ``block_table`` ``[B, max_blocks]``, copied into the graph's staging buffer on
+        the device (no host loop, no sync); rows ``B..size-1`` become padding (position -1)."""
+        entry = self._graphs.get(size) or self._capture(size)
+        if entry is None:
+            return None
+        graph, buf = entry
+        n = tokens.shape[0]
+        staged = buf["staging"]
+        staged[:n, 0].copy_(tokens)
+        staged[:n, 1].copy_(positions)
+        staged[n:, 1].fill_(-1)
+        staged[:n, 2:2 + block_table.shape[1]].copy_(block_table)
+        graph.replay()
+        self.replays += 1
+        return buf["logits"][:n].clone()
 
     def _body(self, buf: dict[str, torch.Tensor]) -> None:
         staged = buf["staging"]

@@ -13,6 +13,7 @@ import torch
 
 from replicas.config import EngineConfig
 from replicas.detokenizer import IncrementalDetokenizer
+from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.kv_cache import KVCache, PageAllocator
 from replicas.messages import GenerationChunk, TokenLogprobs
 from replicas.model_runner import ModelRunner
@@ -22,6 +23,7 @@ from replicas.request import FinishReason, Request, SamplingParams
 from replicas.sampler import SamplingRow, make_generator, sample_rows
 from replicas.scheduler import Scheduler, SchedulerConfig
 from replicas.stops import check_stop, stop_token_set
+from replicas.structured_output import GrammarCompiler
 
 
 @dataclass
@@ -35,11 +37,21 @@ class EngineCore:
     allocator: PageAllocator
     runner: ModelRunner
     eos_token_ids: frozenset[int]
+    _grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' grammar compiler over this tokenizer (built at first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer)
+        return self._grammars
 
     @classmethod
     def load(cls, config: EngineConfig, enable_prefix_caching: bool | None = None) -> EngineCore:
         """Resolve (and convert once) the model, load its weights (or random ones with ``load_format=dummy``),
-        resolve its kernels, then :meth:`build`.
+        resolve its kernels, then :meth:`build`. ``enable_prefix_caching`` overrides
+        ``config.enable_prefix_caching`` (a persistent replica turns it off for the mk1 backend, as MK1
+        requires).
 
         Raises:
             ModelNotFoundError: the model cannot be found.
@@ -91,7 +103,9 @@ class EngineCore:
         return cls(
             config=config, model=model, tokenizer=tokenizer, kv_cache=kv,
             allocator=PageAllocator(kv.num_blocks, enable_prefix_caching=enable_prefix_caching),
-            runner=ModelRunner(model, kv.planes(), device, graphs=decode_graphs(config, model, kv, device)),
+            runner=ModelRunner(model, kv.planes(), device, graphs=decode_graphs(config, model, kv, device),
+                               inputs=step_inputs(config, device),
+                               kernels=bool(getattr(getattr(model, "ops", None), "prefill_kernels", False))),
             eos_token_ids=eos_token_ids,
         )
 
@@ -152,10 +166,11 @@ def load_tokenizer(path, required: bool = True):
 class _Tracked:
     """Per-sequence bookkeeping of the standard engine (one per choice of an ``n > 1`` request)."""
 
-    __slots__ = ("req", "parent_id", "detok", "generator")
+    __slots__ = ("req", "parent_id", "detok", "generator", "constraint")
 
-    def __init__(self, req: Request, parent_id: str, detok: IncrementalDetokenizer, generator):
+    def __init__(self, req: Request, parent_id: str, detok: IncrementalDetokenizer, generator, constraint=None):
         self.req, self.parent_id, self.detok, self.generator = req, parent_id, detok, generator
+        self.constraint = constraint  # a structured output's TokenConstraint, or None
 
 
 class LLMEngine:
@@ -184,10 +199,16 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request (``params.n`` sequences). Raises ``ValueError`` for a bad prompt or a duplicate id."""
+        """Queue a request (``params.n`` sequences).
+
+        Raises:
+            ValueError: a bad prompt, a duplicate id, or a structured output whose grammar does not compile.
+        """
         if request_id in self._children:
             raise ValueError(f"duplicate request id {request_id}")
         self.core.validate_prompt(prompt_token_ids, params.max_tokens)
+        spec = params.structured_output
+        constraints = [self.core.grammars.constraint(spec) if spec else None for _ in range(params.n)]
         leader = None
         children = []
         for i in range(params.n):
@@ -199,7 +220,8 @@ class LLMEngine:
             if leader is None and params.n > 1 and self.core.allocator.enable_prefix_caching:
                 leader = req
             detok = IncrementalDetokenizer(self.core.tokenizer, p.stop)
-            self._tracked[seq_id] = _Tracked(req, request_id, detok, make_generator(p, self.core.runner.device))
+            self._tracked[seq_id] = _Tracked(req, request_id, detok, make_generator(p, self.core.runner.device),
+                                             constraints[i])
             children.append(seq_id)
             self.scheduler.add(req)
         self._children[request_id] = children
@@ -235,7 +257,7 @@ class LLMEngine:
                 rows.append(self._sampling_row(self._tracked[req.request_id]))
         if not sampled:
             return []
-        out = sample_rows(logits[sampled], rows)
+        out = sample_rows(logits if len(sampled) == len(batch) else logits[sampled], rows)  # pure decode: no gather
         chunks = []
         for j, i in enumerate(sampled):
             tracked = self._tracked[batch[i][0].request_id]
@@ -246,11 +268,16 @@ class LLMEngine:
         req, p = t.req, t.req.params
         # min_tokens: every id that would end the request is banned until then (vLLM's rule)
         banned = stop_token_set(p, self.core.eos_token_ids) if req.num_output_tokens < p.min_tokens else frozenset()
-        return SamplingRow(p, t.generator, req.prompt_token_ids, req.output_token_ids, banned)
+        mask = None
+        if t.constraint is not None:
+            mask = t.constraint.allowed(self.core.model.config.vocab_size, self.core.runner.device)
+        return SamplingRow(p, t.generator, req.prompt_token_ids, req.output_token_ids, banned, mask)
 
     def _postprocess(self, t: _Tracked, token: int, logprobs: TokenLogprobs | None) -> GenerationChunk:
         req = t.req
         req.output_token_ids.append(token)
+        if t.constraint is not None:
+            t.constraint.accept(token)
         past_min = req.num_output_tokens >= req.params.min_tokens
         finish = check_stop(req, self.core.eos_token_ids, self.core.config.max_model_len)
         text = t.detok.append([token], final=finish is not None, check_stops=past_min)
@@ -296,3 +323,11 @@ def decode_graphs(config: EngineConfig, model, kv, device):
     sizes = tuple(b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs) or (1,)
     graphs = DecodeGraphs(model, kv.planes(), device, config.max_model_len, sizes)
     return graphs if graphs.batch_sizes else None
+
+
+def step_inputs(config: EngineConfig, device):
+    """The model runner's persistent step buffers (:class:`~replicas.step_inputs.StepInputs`) for this engine:
+    block tables as wide as ``max_model_len`` (the decode graphs' width), rows for twice ``max_num_seqs``."""
+    from replicas.step_inputs import StepInputs
+
+    return StepInputs(device, -(-config.max_model_len // PAGE_SIZE), max_rows=2 * config.max_num_seqs + 8)

@@ -32,7 +32,7 @@ from replicas.engine import EngineCore, LLMEngine
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
 from replicas.persistent.checkpoint import CheckpointError
 from replicas.persistent.contract import PersistentDecoderError
-from replicas.persistent.factory import create_backend
+from replicas.persistent.factory import backend_takes_cached_pages, create_backend
 from replicas.persistent.faults import FaultInjection, with_faults
 from replicas.persistent.lane import PersistentLane
 
@@ -103,9 +103,11 @@ class EngineActor:
         self.mode = Mode.parse(mode)
         if self.colocated:  # quanta one at a time: the engine thread runs a standard step between them
             config = config.model_copy(update={"pipeline_quanta": False})
-        # the persistent lane runs without prefix caching (MK1's envelope requires it off); co-located,
-        # the standard lane keeps it and the persistent lane simply never looks pages up
-        self.core = EngineCore.load(config, enable_prefix_caching=False if lane == "persistent" else None)
+        # the persistent lane shares prefix-cached pages where its backend takes them (not mk1: MK1's envelope
+        # requires prefix caching off); co-located, the standard lane keeps the prefix cache either way (an
+        # mk1 lane then just never looks pages up)
+        prefix = config.enable_prefix_caching and (lane != "persistent" or backend_takes_cached_pages(backend))
+        self.core = EngineCore.load(config, enable_prefix_caching=prefix)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self.persistent: PersistentLane | None = None
@@ -113,6 +115,7 @@ class EngineActor:
         self._spilled_running = 0  # standard-lane requests the router spilled from the persistent lane
         if lane != "persistent":
             self.engine = LLMEngine(self.core, on_scheduled=self._scheduled)
+            threading.Thread(target=self.core.grammars.warm, name="grammar-warmup", daemon=True).start()
         if lane != "standard":
             self.persistent = self._load_persistent(backend, checkpoint, fault_injection)
         from ops.telemetry.engine_telemetry import (
@@ -180,12 +183,14 @@ class EngineActor:
 
         cfg = self.core.config
         out = {"load_format": cfg.load_format, "dtype": str(cfg.resolved_dtype()).removeprefix("torch."),
-               "device": str(cfg.resolved_device()), **self.core.describe_kernels()}
+               "device": str(cfg.resolved_device()), "prefix_caching": self.core.allocator.enable_prefix_caching,
+               **self.core.describe_kernels()}
         if self.persistent is not None:
             backend = self.persistent.backend
             out["persistent_backend"] = backend_name
             out["pipeline_quanta"] = bool(cfg.pipeline_quanta and isinstance(backend, PipelinedBackend))
             out["fused_greedy_epilogue"] = bool(getattr(backend, "fused_epilogue", False))
+            out["prefix_caching"] = self.persistent.prefix_caching
         return out
 
     def _stats(self) -> dict:

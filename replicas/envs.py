@@ -8,7 +8,10 @@ What stays an environment variable is what is per machine or must not sit in a c
 nothing else in ``replicas/`` or ``deployments/`` reads a ``PERSISTENT_SERVE_*`` variable.
 
 Third-party variables keep their own owners: ``OTEL_*`` (OpenTelemetry, read by
-``ops.telemetry.tracing``), ``RAY_*`` (Ray), ``HF_*`` (Hugging Face).
+``ops.telemetry.tracing``), ``RAY_*`` (Ray), ``HF_*`` (Hugging Face), ``TIKTOKEN_ENCODINGS_BASE``
+(openai-harmony's vocabulary folder: ``deployments.harmony.vocab`` sets it in the ingress to
+``<cache>/tiktoken``, where it writes the o200k file, unless it already names a folder holding
+that file; docs/harmony.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Paged KV cache: the tensor a replica owns and the page allocator over it.
 
-Geometry (DESIGN.md): one tensor ``[2, num_layers, num_blocks, PAGE_SIZE,
+Geometry (docs/design.md "KV cache geometry"): one tensor ``[2, num_layers, num_blocks, PAGE_SIZE,
 num_kv_heads, head_dim]``; index 0 holds keys, 1 values. A page (block) holds
 ``PAGE_SIZE`` = 16 tokens of one layer-plane. Page accounting splits checking
 from doing (``can_allocate``/``allocate``, ``can_grow``/``grow``) in the manner

@@ -59,7 +59,8 @@ class GenerateRequest:
         return AdmissionInput(
             enabled=enabled, queued_requests=queued_requests, num_sequences=p.n,
             temperature=p.temperature, top_k=p.top_k, logprobs=self.logprobs,
-            has_logits_processing=p.has_logits_processing, has_stop_strings=bool(p.stop),
+            has_logits_processing=p.has_logits_processing, has_structured_output=p.structured_output is not None,
+            has_stop_strings=bool(p.stop),
             has_stop_token_sequences=self.has_stop_token_sequences, kv_transfer=self.kv_transfer,
             committed_tokens=len(self.prompt_token_ids), max_model_len=max_model_len,
             remaining_output_tokens=p.max_tokens,

@@ -14,7 +14,8 @@ from replicas.request import Request
 
 
 def build_metadata(batch: list[tuple[Request, int]], device: torch.device | str) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Flatten a batch into ``input_ids [T]`` and :class:`AttentionMetadata`.
+    """Flatten a batch into ``input_ids [T]`` and :class:`AttentionMetadata` (the list path: Python per
+    token; the oracle of :meth:`replicas.step_inputs.StepInputs.build`, which the runner uses).
 
     Raises:
         ValueError: a request's block table does not cover its new tokens.
@@ -56,13 +57,21 @@ class ModelRunner:
         device: where inputs are built.
         graphs: optional :class:`~replicas.decode_graphs.DecodeGraphs`: pure-decode steps that fit a
             bucket replay a CUDA graph instead of the eager forward.
+        inputs: optional :class:`~replicas.step_inputs.StepInputs`: step metadata built as tensors in
+            persistent device buffers (else :func:`build_metadata`'s lists).
+        kernels: the model's resolved ``DecodeOps.prefill_kernels`` (engine config ``prefill_kernels`` on a
+            GPU with Triton): the Triton prefill attention serves the eager forward (each forward's
+            ``AttentionMetadata.kernels``); False keeps the torch reference path.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_planes, device: torch.device | str, graphs=None):
+    def __init__(self, model: torch.nn.Module, kv_planes, device: torch.device | str, graphs=None,
+                 inputs=None, kernels: bool = False):
         self.model = model
         self.kv_planes = kv_planes
         self.device = device
         self.graphs = graphs
+        self.inputs = inputs
+        self.kernels = kernels
 
     @torch.inference_mode()
     def execute(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
@@ -71,11 +80,22 @@ class ModelRunner:
         Returns:
             ``[len(batch), vocab]`` fp32 logits of each request's last new token.
         """
+        tensors = self.inputs is not None and self.inputs.fits(batch)
         if self.graphs is not None:
             size = self.graphs.bucket(batch)
             if size is not None:
-                logits = self.graphs.run(batch, size)
+                if tensors:  # the staged inputs feed the graph with device copies
+                    input_ids, meta = self.inputs.build(batch, self.kernels)
+                    logits = self.graphs.run_staged(input_ids, meta.positions, meta.device.block_table, size)
+                else:
+                    logits = self.graphs.run(batch, size)
                 if logits is not None:
                     return logits
-        input_ids, meta = build_metadata(batch, self.device)
+                if tensors:
+                    return self.model(input_ids, meta, self.kv_planes)
+        if tensors:
+            input_ids, meta = self.inputs.build(batch, self.kernels)
+        else:
+            input_ids, meta = build_metadata(batch, self.device)
+            meta.kernels = self.kernels
         return self.model(input_ids, meta, self.kv_planes)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from replicas.structured_output import StructuredOutput
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -34,6 +36,8 @@ class SamplingParams:
             checked, until this many tokens were generated.
         logprobs: None for no logprobs; k >= 0 to return the sampled token's
             log-probability plus the k most likely tokens' (from the raw logits).
+        structured_output: a grammar the output must match (``response_format``; the
+            standard lane masks the logits with it every token), or None.
     """
 
     max_tokens: int = 16
@@ -51,6 +55,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -85,7 +90,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Greedy decoding: temperature ~0 or top_k == 1 (seed's rule, DESIGN.md)."""
+        """Greedy decoding: temperature ~0 or top_k == 1 (seed's rule, docs/design.md "Admission")."""
         return self.temperature <= 1e-5 or self.top_k == 1
 
 

@@ -12,7 +12,9 @@ Pipeline (vLLM's order), per row, in :func:`sample_rows`:
    ``k = params.logprobs`` most likely ``(token_id, logprob)``.
 2. **bans**: ``banned_token_ids`` are set to ``-inf`` (the engine bans EOS and
    stop ids while fewer than ``min_tokens`` were generated:
-   :func:`replicas.stops.stop_token_set`).
+   :func:`replicas.stops.stop_token_set`), and so is every token outside
+   ``allowed_token_mask`` (a structured output's grammar,
+   :mod:`replicas.structured_output`).
 3. **repetition penalty** over prompt + output tokens (CTRL, Keskar et al.
    2019; HF ``RepetitionPenaltyLogitsProcessor``).
 4. **presence / frequency penalties** over output tokens only (OpenAI API).
@@ -65,6 +67,8 @@ class SamplingRow:
         output_token_ids: tokens generated so far (all penalties).
         banned_token_ids: ids masked to ``-inf`` before anything else; ids
             outside ``[0, vocab)`` are ignored (they cannot be sampled anyway).
+        allowed_token_mask: bool ``[vocab]`` (the logits' device): only True tokens may be
+            picked (a grammar's mask); None allows every token.
     """
 
     params: SamplingParams
@@ -72,6 +76,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     banned_token_ids: frozenset[int] = frozenset()
+    allowed_token_mask: torch.Tensor | None = None
 
     @property
     def uses_repetition_penalty(self) -> bool:
@@ -88,6 +93,7 @@ class SamplingRow:
         return (
             not self.params.is_greedy
             or bool(self.banned_token_ids)
+            or self.allowed_token_mask is not None
             or self.uses_repetition_penalty
             or self.uses_additive_penalties
         )
@@ -274,13 +280,22 @@ def _process_and_pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     """
     vocab = logits.shape[-1]
     x = logits
-    # 2. bans
+    # 2. a grammar's mask (structured outputs), then bans
+    grammar_only: dict[int, torch.Tensor] = {}
+    for j, r in enumerate(rows):
+        if r.allowed_token_mask is not None:
+            x[j] = x[j].masked_fill(~r.allowed_token_mask[:vocab], _NEG_INF)
+            if r.banned_token_ids:
+                grammar_only[j] = x[j].clone()
     ban = [j for j, r in enumerate(rows) if r.banned_token_ids]
     if ban:
         for j in ban:
             if sum(1 for t in rows[j].banned_token_ids if 0 <= t < vocab) >= vocab:
                 raise ValueError("every token of the vocabulary is banned; nothing can be sampled")
         x[ban] = apply_bans(x[ban], [rows[j].banned_token_ids for j in ban])
+    for j, row in grammar_only.items():  # the bans (min_tokens) took the grammar's last tokens: the grammar wins
+        if bool(torch.isinf(x[j]).all()):
+            x[j] = row
     # 3. repetition penalty (prompt + output)
     rep = [j for j, r in enumerate(rows) if r.uses_repetition_penalty]
     if rep:

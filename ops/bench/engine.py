@@ -65,10 +65,11 @@ class Row:
         return self.floor_ms / self.tpot_ms if self.tpot_ms else 0.0
 
 
-def build_core(shape: str, device: torch.device, dtype: torch.dtype, max_model_len: int,
+def build_core(shape: str | dict, device: torch.device, dtype: torch.dtype, max_model_len: int,
                overrides: dict | None = None, smollm2: str | None = None):
     """An :class:`~replicas.engine.EngineCore` built the way a replica builds one (:meth:`EngineCore.load`):
-    ``load_format=dummy`` over a directory holding ``shape``'s ``config.json`` (random weights generated
+    ``load_format=dummy`` over a directory holding ``shape``'s ``config.json`` (a name of
+    :mod:`ops.tools.model_shapes` or a config dict; random weights generated
     on ``device``; GPT-OSS experts random packed MXFP4), or the real SmolLM2 weights at ``smollm2``.
 
     ``overrides``: engine config fields (the ``--variants`` settings: kernels, pipelining, ...). The KV

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
                    help="comma-separated: MoE decode backends (triton_portable, triton_fp32, triton_tc, "
                         "hopper_bulk), dense, attention")
     p.add_argument("--grid", default="{}",
-                   help='JSON: tile grids that replace a family\'s default one, e.g. \'{"tc": {"depth": [1, 2]}}\'')
+                   help='JSON: tile grids that replace a family\'s default one, e.g. \'{"triton_tc": {"depth": [1, 2]}}\'')
     args = p.parse_args(argv)
     families = set(args.kernels.split(","))
     grids = {name: {k: tuple(v) for k, v in grid.items()} for name, grid in json.loads(args.grid).items()}

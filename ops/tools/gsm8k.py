@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "gsm8k"
-"""``../shared/data/gsm8k`` next to the repository (DESIGN.md "Data")."""
+"""``../shared/data/gsm8k`` next to the repository (docs/design.md "Data")."""
 TEST_FILE = "test.jsonl"
 FEWSHOT_FILE = "train_head50.jsonl"
 SAMPLE_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "gsm8k"

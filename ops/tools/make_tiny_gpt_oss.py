@@ -13,7 +13,7 @@ The tensor names, shapes and dtypes written are :func:`tensor_shapes` of the
 config, the same function that gives the real checkpoints' catalog
 (:func:`shapes` ``("20b" | "120b")``) without materializing anything.
 Source of the real numbers: transformers' ``GptOssConfig`` defaults (the
-120b) and DESIGN.md "Models" (24 layers / 32 experts for the 20b).
+120b) and docs/design.md "Models" (24 layers / 32 experts for the 20b).
 """
 
 from __future__ import annotations

@@ -109,21 +109,29 @@ class DecodeOps:
         triton: the Triton kernels run (a CUDA/ROCm device with Triton installed); else the torch references.
         nvidia: an NVIDIA GPU (the inline-PTX and single-launch fused kernels need one).
         pdl: kernels launch with programmatic dependent launch (requested and supported: sm_90+).
+        prefill_kernels: the eager forward (prefill, mixed and large standard-lane steps) runs the Triton
+            prefill attention over the paged cache (:mod:`replicas.kernels.prefill_attention`) and the MoE's
+            grouped GEMMs; else their torch references. The model runner passes it to each forward's
+            attention metadata.
         moe: the MoE kernels (GPT-OSS models; None for dense models).
     """
 
     triton: bool = False
     nvidia: bool = False
     pdl: bool = False
+    prefill_kernels: bool = False
     moe: MoE | None = None
 
     @classmethod
     def build(cls, device: torch.device | str, dtype: torch.dtype, *, pdl: bool = True, moe_backend: str | None = None,
-              moe_repack: bool = True, moe_tiles: dict[str, int] | None = None) -> DecodeOps:
+              moe_repack: bool = True, moe_tiles: dict[str, int] | None = None,
+              prefill_kernels: bool = True) -> DecodeOps:
         """Resolve the kernels for a ``dtype`` model on ``device``.
 
         Args:
             pdl: use programmatic dependent launch where the GPU supports it.
+            prefill_kernels: on a GPU, the Triton prefill attention and the MoE's grouped GEMMs serve the
+                eager forward (engine config ``prefill_kernels``).
             moe_backend: ``auto`` or a name of :data:`replicas.kernels.moe.MOE_BACKENDS` for models with
                 experts; None for dense models (no MoE).
             moe_repack, moe_tiles: see :func:`replicas.kernels.moe.resolve_moe`.
@@ -141,8 +149,8 @@ class DecodeOps:
             use_pdl = supported(device)
         moe = None
         if moe_backend is not None:
-            moe = MoE(resolve_moe(moe_backend, device, dtype, moe_repack, moe_tiles), pdl=use_pdl)
-        return cls(triton=triton, nvidia=nvidia, pdl=use_pdl, moe=moe)
+            moe = MoE(resolve_moe(moe_backend, device, dtype, moe_repack, moe_tiles, prefill_kernels), pdl=use_pdl)
+        return cls(triton=triton, nvidia=nvidia, pdl=use_pdl, prefill_kernels=triton and prefill_kernels, moe=moe)
 
     @classmethod
     def reference(cls, moe: bool = False) -> DecodeOps:
@@ -156,7 +164,8 @@ class DecodeOps:
 
     def describe(self) -> dict:
         """A JSON-able record of what runs (``/debug/stats``, span attributes)."""
-        out = {"decode_kernels": "triton" if self.triton else "torch", "pdl": self.pdl}
+        out = {"decode_kernels": "triton" if self.triton else "torch", "pdl": self.pdl,
+               "prefill_kernels": self.prefill_kernels}
         if self.moe is not None:
             out |= self.moe.choice.describe()
         return out

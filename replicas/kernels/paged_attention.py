@@ -1,23 +1,26 @@
 """Paged attention over the engine's KV cache (torch reference implementation).
 
-KV cache geometry (DESIGN.md): one tensor ``[2, num_layers, num_blocks,
+KV cache geometry (docs/design.md "KV cache geometry"): one tensor ``[2, num_layers, num_blocks,
 PAGE_SIZE, num_kv_heads, head_dim]``; each layer's key plane and value plane is
 ``[num_blocks, PAGE_SIZE, num_kv_heads, head_dim]``. A token at position ``p``
 of a sequence lives in physical page ``block_table[p // PAGE_SIZE]`` at offset
 ``p % PAGE_SIZE``; its *slot* is ``page * PAGE_SIZE + offset``.
 
-This is the reference path used on CPU and as the oracle for GPU kernels.
+:func:`paged_attention` dispatches: on a GPU with ``meta.kernels`` on (the model's resolved
+``prefill_kernels``) one launch of
+:func:`replicas.kernels.prefill_attention.triton_prefill_attention` for the whole batch; elsewhere
+:func:`paged_attention_reference`, the torch path used on CPU and as the oracle for the GPU kernels.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 PAGE_SIZE = 16
-"""Tokens per KV page (DESIGN.md, "KV cache geometry"; vLLM's default block size)."""
+"""Tokens per KV page (docs/design.md "KV cache geometry"; vLLM's default block size)."""
 
 
 @dataclass
@@ -33,7 +36,13 @@ class AttentionMetadata:
         query_start: ``B + 1`` cumulative offsets into the ``T`` tokens.
         context_lens: ``B`` KV lengths *after* this forward (cached + new).
         block_tables: ``B`` int64 tensors of physical page ids, each covering
-            at least ``ceil(context_lens[i] / PAGE_SIZE)`` pages.
+            at least ``ceil(context_lens[i] / PAGE_SIZE)`` pages (views of ``block_table`` rows when
+            that is given).
+        device: optional :class:`DeviceMetadata`, the same facts as device tensors (the model runner's
+            tensor path builds it; otherwise :meth:`device_view` builds it from the lists on first use).
+        kernels: whether the Triton prefill attention serves this forward on a GPU (the model's
+            ``DecodeOps.prefill_kernels``, resolved at load from ``EngineConfig.prefill_kernels``; the model
+            runner sets it); False keeps the torch reference path.
     """
 
     positions: torch.Tensor
@@ -41,15 +50,60 @@ class AttentionMetadata:
     query_start: list[int]
     context_lens: list[int]
     block_tables: list[torch.Tensor]
+    device: DeviceMetadata | None = None
+    kernels: bool = False
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
+    """Per-forward derived tensors shared by every layer (e.g. the prefill kernel's tile map)."""
 
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens)
 
     @property
+    def query_lens(self) -> list[int]:
+        """New tokens of each sequence (host ints)."""
+        return [self.query_start[i + 1] - self.query_start[i] for i in range(self.num_seqs)]
+
+    @property
     def last_token_indices(self) -> torch.Tensor:
-        """``[B]`` index of each sequence's last new token (whose logits we sample)."""
+        """``[B]`` int64 index of each sequence's last new token (whose logits we sample); on the device when
+        :attr:`device` holds it."""
+        if self.device is not None:
+            return self.device.last_token_indices
         return torch.tensor([s - 1 for s in self.query_start[1:]], dtype=torch.long)
+
+    def device_view(self, device: torch.device) -> DeviceMetadata:
+        """:attr:`device`, built from the lists (one copy each) when the runner did not provide it."""
+        if self.device is None:
+            width = max((int(t.numel()) for t in self.block_tables), default=1)
+            table = torch.zeros(self.num_seqs, max(width, 1), dtype=torch.long, device=device)
+            for i, t in enumerate(self.block_tables):
+                table[i, : t.numel()] = t.to(device)
+            self.device = DeviceMetadata(
+                query_start=torch.tensor(self.query_start, dtype=torch.int32, device=device),
+                context_lens=torch.tensor(self.context_lens, dtype=torch.int32, device=device),
+                block_table=table,
+                last_token_indices=torch.tensor([s - 1 for s in self.query_start[1:]], dtype=torch.long,
+                                                device=device),
+            )
+        return self.device
+
+
+@dataclass
+class DeviceMetadata:
+    """:class:`AttentionMetadata`'s per-sequence facts as device tensors (what the GPU kernels read).
+
+    Attributes:
+        query_start: ``[B + 1]`` int32 cumulative new-token offsets.
+        context_lens: ``[B]`` int32 KV lengths after this forward.
+        block_table: ``[B, max_blocks]`` int32/int64 page ids, rows padded (padding never read).
+        last_token_indices: ``[B]`` int64 index of each sequence's last new token.
+    """
+
+    query_start: torch.Tensor
+    context_lens: torch.Tensor
+    block_table: torch.Tensor
+    last_token_indices: torch.Tensor
 
 
 def write_kv(
@@ -73,7 +127,35 @@ def paged_attention(
     meta: AttentionMetadata, scale: float, *,
     sinks: torch.Tensor | None = None, sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its cached context.
+    """Causal attention of each sequence's new queries over its cached context (dispatch).
+
+    On a GPU with ``meta.kernels`` on (set by the model runner from the model's resolved ops): one launch of the Triton prefill kernel for the
+    whole batch (:mod:`replicas.kernels.prefill_attention`; its tile map is built once per forward and kept
+    in ``meta.cache``); otherwise :func:`paged_attention_reference`. Same arguments and result.
+    """
+    if not (query.is_cuda and meta.kernels):
+        return paged_attention_reference(query, key_plane, value_plane, meta, scale, sinks=sinks,
+                                         sliding_window=sliding_window)
+    from replicas.kernels import prefill_attention as pa
+
+    dev = meta.device_view(query.device)
+    block_t = pa.tokens_per_tile(query.shape[1], key_plane.shape[2])
+    key = ("prefill_tiles", block_t)
+    if key not in meta.cache:
+        n = pa.num_tiles_for(meta.query_lens, block_t)
+        meta.cache[key] = (n, pa.tile_map(dev.query_start, block_t, n))
+    num_tiles, tiles = meta.cache[key]
+    return pa.triton_prefill_attention(query, key_plane, value_plane, dev.query_start, dev.context_lens,
+                                       dev.block_table, scale, num_tiles, sinks=sinks,
+                                       sliding_window=sliding_window, tiles=tiles)
+
+
+def paged_attention_reference(
+    query: torch.Tensor, key_plane: torch.Tensor, value_plane: torch.Tensor,
+    meta: AttentionMetadata, scale: float, *,
+    sinks: torch.Tensor | None = None, sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached context (torch reference).
 
     The new tokens' K/V must already be written (see :func:`write_kv`).
 
@@ -138,7 +220,7 @@ def _masked_attention(
     query: torch.Tensor, key_plane: torch.Tensor, value_plane: torch.Tensor, meta: AttentionMetadata,
     scale: float, sinks: torch.Tensor | None, window: int | None,
 ) -> torch.Tensor:
-    """:func:`paged_attention` with sinks and/or a sliding window: explicit fp32 scores, row-chunked.
+    """:func:`paged_attention_reference` with sinks and/or a sliding window: explicit fp32 scores, row-chunked.
 
     Only the pages holding keys some query of the chunk can see are gathered
     (for a window, the last ``W - 1`` tokens before the chunk and the chunk).

@@ -1,8 +1,8 @@
 """Programmatic dependent launch (PDL) for the decode step's Triton kernels (Hopper and newer).
 
-A decode step is ~400 short launches back to back (``docs/benchmarks.md``:
-0.36 µs between kernels inside the CUDA graph, and every launch starts by
-waiting for DRAM). With PDL (CUDA's programmatic stream serialization; PTX
+A decode step is a few hundred short launches back to back, and every launch
+starts by waiting for DRAM (``docs/benchmarks.md`` has the gaps and what PDL
+saves). With PDL (CUDA's programmatic stream serialization; PTX
 ``griddepcontrol``, Triton's ``gdc_wait`` / ``gdc_launch_dependents`` and the
 ``launch_pdl`` launch option) a kernel's CTAs may start while the previous
 kernel is still running; they first do what does not depend on it (address

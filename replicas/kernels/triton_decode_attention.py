@@ -34,9 +34,8 @@ SPLITS = 16
 FEW_HEADS_SPLITS = 32
 """Split count when at most 8 (sequence, KV head) pairs share the launch (batch one: gpt-oss's 8 KV heads,
 SmolLM2's 3). A split covers ``cdiv(cdiv(context, splits), 64) * 64`` tokens, so at 1,152 tokens 16 splits
-leave 9 programs per KV head with two 64-token iterations each, and 32 leave 18 with one. Inside
-gpt-oss-120b's decode step (CUDA-graph replay, one H200) 32 splits took 28 µs per token less than 16, and 8
-took 50 µs more (``docs/benchmarks.md``, GPT-OSS item 15)."""
+leave 9 programs per KV head with two dependent 64-token iterations each, and 32 leave 18 with one
+(``docs/benchmarks.md`` compares 8, 16 and 32 inside the decode step)."""
 
 
 ONE_PASS_WINDOW = 128
@@ -47,8 +46,8 @@ the merge launch. 0 turns it off."""
 
 
 ONE_PASS_BLOCK = 128
-"""Keys per iteration of the one-pass (windowed) launch: 128, a whole gpt-oss window in one tile
-(gpt-oss-120b decode 2.042 ms/token against 2.063 with 64, same H200 call)."""
+"""Keys per iteration of the one-pass (windowed) launch: 128, a whole gpt-oss window in one tile, so a
+program makes one iteration (``docs/benchmarks.md`` compares it with 64-key tiles)."""
 
 ONE_PASS_WARPS = 4
 """Warps per program of the one-pass (windowed) launch."""

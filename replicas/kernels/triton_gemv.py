@@ -1,11 +1,10 @@
 """Triton kernel: batch-one dense GEMV ``y = W x + b`` (bf16/fp16 weights, fp32 sums).
 
-Why not cuBLAS: at one token, GPT-OSS's attention projections (qkv 2880 →
-5120, o 4096 → 2880) and router (2880 → 128) are small enough that cuBLAS's
-choices leave bandwidth unused: on an H200 its qkv GEMV ran at ~2.8 TB/s, the
-o projection took a split-K kernel plus a reduce launch, and the 0.7 MB router
-took a split-K kernel plus a reduce as well (``docs/benchmarks.md``, profile
-of the gpt-oss-120b shape). Here one launch reads each weight row once, every
+At one token, GPT-OSS's attention projections (qkv 2880 → 5120, o 4096 →
+2880) and router (2880 → 128) are small enough that cuBLAS's kernel choices
+leave bandwidth unused (a split-K kernel plus a reduce launch for the o
+projection and the router; ``docs/benchmarks.md`` has the comparison). Here
+one launch reads each weight row once, every
 thread issuing its next 16-byte loads before the current step's arithmetic
 (a batch-one GEMV has nothing else to hide DRAM latency with), sums in fp32,
 adds the bias and rounds once.
@@ -92,10 +91,10 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """``F.linear(x, weight, bias)`` for one row: ``x`` ``[1, K]``, ``weight`` ``[N, K]`` (unit stride along
     K), ``bias`` ``[N]`` or None → ``[1, N]`` in ``x.dtype``, summed in fp32.
 
-    Tile defaults (``block_k``/``num_warps`` None): the fastest of ``python -m ops.bench.kernels
-    --kernels dense`` on an H200 at gpt-oss-120b's shapes: 256 columns and 4 warps for the qkv and o
-    projections (9.4 and 8.2 us: 3.1 and 2.9 TB/s), 512 columns and 8 warps for narrow outputs such as the
-    router (N = 128: 2.1 us, where cuBLAS took 6.1 us).
+    Tile defaults (``block_k``/``num_warps`` None): 256 columns and 4 warps for outputs wider than 256
+    rows (the qkv and o projections), 512 columns and 8 warps for narrower ones such as the router
+    (N = 128): the best that ``python -m ops.bench.kernels --kernels dense`` found on an H200 at
+    gpt-oss-120b's shapes (``docs/benchmarks.md``).
 
     ``swiglu``: ``weight`` is ``[2N, K]``, gate rows over up rows (Llama's fused ``gate_up_proj``), and the
     result is ``silu(gate) * up`` ``[1, N]`` (Shazeer 2020), from the fp32 sums, rounded once.

@@ -23,7 +23,7 @@ from replicas.kernels.pdl import pdl_args, pdl_wait
 def rmsnorm_row(x, w, N, eps, WEIGHT_FP32: tl.constexpr):
     """RMSNorm of one row ``x`` ``[BLOCK]`` (its ``N`` real elements; the rest zeros) with weight ``w``
     ``[BLOCK]``: fp32 statistics, the weight applied in fp32 (``WEIGHT_FP32``, GPT-OSS) or after rounding to
-    ``x.dtype`` (Llama), as :func:`replicas.models.layers.rms_norm`."""
+    ``x.dtype`` (Llama), as :func:`replicas.kernels.reference.rms_norm`."""
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
     if WEIGHT_FP32:
@@ -53,7 +53,7 @@ def _add_rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, y_ptr, ymx_ptr, N, e
         tl.store(x_out_ptr + row * N + offs, x, mask=mask)
     y = rmsnorm_row(x, w, N, eps, WEIGHT_FP32).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * N + offs, y, mask=mask)
-    if MXFP4_OUT:  # y again in the tensor-core MoE kernels' activation format (triton_moe_tc.mxfp4_activations)
+    if MXFP4_OUT:  # y again in the tensor-core MoE kernels' activation format (triton_tc.mxfp4_activations)
         tl.store(ymx_ptr + row * N + mma_position(offs), (y.to(tl.float32) * X_SCALE).to(tl.bfloat16), mask=mask)
 
 
@@ -80,7 +80,7 @@ def triton_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torc
     npart = delta.shape[1] if delta is not None and delta.dim() == 3 else 0
     block = triton.next_power_of_2(n)
     # one program per row: at batch one a single SM reads the row and its partials, so give it enough
-    # warps to keep many loads in flight (16 warps at GPT-OSS's 2880: 3.8 -> 2.4 us per launch on an H200)
+    # warps to keep many loads in flight (16 at GPT-OSS's 2880; docs/benchmarks.md has the timing)
     _add_rmsnorm_kernel[(t,)](x, delta.contiguous() if delta is not None else x, weight, x_out, y, y_mx, n, eps,
                               BLOCK=block, HAS_DELTA=delta is not None, WEIGHT_FP32=weight_in_fp32, NPART=npart,
                               MXFP4_OUT=mxfp4_out, num_warps=min(16, max(4, block // 256)), **pdl_args(x, pdl))

@@ -7,13 +7,13 @@ glue) with one launch; the logits themselves come from the router's GEMV.
 
 At batch one the decode step instead runs :func:`triton_add_rmsnorm_route`:
 the residual add and RMSNorm after attention, the router GEMV and the top-k in
-one launch (three before). Every program recomputes the norm (2,880 values
+one launch instead of three. Every program recomputes the norm (2,880 values
 from L2) and takes four experts' logits; the last program to finish (a global
 arrival counter: :mod:`replicas.kernels.grid_sync`) picks the top k.
 
 Ties pick the lowest expert id first (``torch.topk`` leaves tie order
 unspecified, so tests use logits without ties). Reference:
-:func:`replicas.kernels.moe.router_topk_reference`.
+:func:`replicas.kernels.reference.router_topk_reference`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from replicas.kernels.triton_rmsnorm import rmsnorm_row
 def _topk_softmax(vals, offs, w_ptr, ids_ptr, K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr):
     """Store the softmax of the ``K`` largest of ``vals`` ``[EP]`` fp32 (ids ``offs``; padding ``-inf``) at
     ``w_ptr`` and their ids (int64; decreasing logit, ties to the lowest id) at ``ids_ptr``: ``K`` rounds of
-    arg-max. (Ranking all values at once, one ``[EP, EP]`` comparison, measured slower on an H200.)"""
+    arg-max (``docs/benchmarks.md`` compares this with ranking all values at once)."""
     offs_k = tl.arange(0, KP)
     top = tl.full([KP], float("-inf"), tl.float32)
     idx = tl.zeros([KP], tl.int32)

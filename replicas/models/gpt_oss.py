@@ -2,8 +2,8 @@
 
 Read top to bottom: YaRN RoPE → attention (biases, per-head sinks,
 128-token sliding window on ``sliding_attention`` layers) → MoE (top-k router,
-MXFP4 experts with the clamped SwiGLU) → decoder layer → model (RMSNorm and the
-half-split rotation: :mod:`replicas.models.layers`). Module and
+MXFP4 experts with the clamped SwiGLU) → decoder layer → model (RMSNorm:
+:mod:`replicas.models.layers`; the half-split rotation: :mod:`replicas.kernels.reference`). Module and
 tensor names mirror transformers' ``GptOssForCausalLM`` and the HF checkpoint
 (experts as ``*_blocks``/``*_scales``), so safetensors load by name;
 transformers is our test reference, not our runtime. Shapes: ``T`` = new
@@ -269,18 +269,20 @@ class GptOssForCausalLM(nn.Module):
         x = self.model.norm(x[meta.last_token_indices.to(x.device)])  # [B, hidden]
         return self.lm_head(x).float()  # [B, vocab]
 
-    compile_decode_step = False
-    """The decode step is already our Triton kernels plus the cuBLAS LM head; Inductor has nothing left to fuse."""
-
     config_class = GptOssConfig
     """The config type ``config.json`` parses into."""
 
     uses_moe = True
     """The model has experts: its :class:`DecodeOps` are built with a MoE backend."""
 
-    max_decode_graph_batch = DECODE_MAX_TOKENS
-    """Standard-lane decode CUDA graphs up to ``DECODE_MAX_TOKENS`` sequences: above it the MoE
-    dequantizes the routed experts (a host sync, not capturable)."""
+    @property
+    def max_decode_graph_batch(self) -> int | None:
+        """Largest standard-lane decode CUDA-graph batch: no limit when the MoE's prefill path is the grouped
+        GEMMs (capturable at any batch, :attr:`~replicas.kernels.moe.MoE.capturable_at_any_batch`), else
+        :data:`~replicas.kernels.moe.DECODE_MAX_TOKENS` (above it the experts are dequantized: a host
+        sync, not capturable)."""
+        moe = self.ops.moe
+        return None if moe is not None and moe.capturable_at_any_batch else DECODE_MAX_TOKENS
 
     def use_ops(self, ops: DecodeOps) -> GptOssForCausalLM:
         """Run on ``ops`` (resolved once at load by :func:`replicas.models.registry.load_model`): every layer's

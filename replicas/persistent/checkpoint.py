@@ -1,6 +1,6 @@
 """The persistent-decoder checkpoint: its catalog, manifest, and checks (no torch here).
 
-A persistent checkpoint (DESIGN.md "Persistent checkpoint"; full spec in
+A persistent checkpoint (docs/design.md "Persistent checkpoint"; full spec in
 ``docs/persistent_checkpoint.md``) is a local directory of safetensors shards
 plus ``persistent_decoder_manifest.json``::
 

@@ -1,4 +1,4 @@
-"""The persistent-decode contract every backend implements (DESIGN.md).
+"""The persistent-decode contract every backend implements (docs/design.md "Persistent decode contract").
 
 The shapes and rules follow AMD aiter's ``aiter.MK1`` persistent decoder
 (squashed commit 4b492bb), which is the production target; our ``eager`` and
@@ -201,7 +201,7 @@ def validate_request(req: QuantumRequest) -> None:
 
 
 def validate_result(req: QuantumRequest, res: QuantumResult) -> None:
-    """The caller's check of every result (DESIGN.md).
+    """The caller's check of every result (docs/design.md "QuantumResult and its validation").
 
     Raises:
         InvalidQuantumResultError: ``1 <= len(emitted) <= max_tokens``,
@@ -231,6 +231,10 @@ class PersistentBackend(abc.ABC):
     name: str = "abstract"
     checks_stop_set_on_device: bool = True
     """True when every stop id is checked inside the quantum (not only one EOS id)."""
+    takes_cached_pages: bool = True
+    """True when a request may start from KV pages an earlier request computed (the lane's prefix cache:
+    the first pages of ``full_block_map`` are then shared, read-only pages); False keeps prefix caching off
+    for the lane (MK1's envelope requires it off)."""
 
     @abc.abstractmethod
     def bind_cache(self, binding: CacheBinding) -> None:
@@ -251,8 +255,7 @@ class PipelinedBackend(PersistentBackend):
 
     Batch-one decode with one host synchronization per quantum leaves the GPU idle
     while the host reads a quantum's tokens, streams them and prepares the next
-    launch (about 0.3-0.5 ms per quantum for gpt-oss-120b on an H200,
-    ``docs/benchmarks.md``). Like vLLM's asynchronous scheduling, the lane
+    launch. Like vLLM's asynchronous scheduling, the lane
     instead launches quantum k+1 right behind quantum k, *before* collecting
     k: k+1 *follows* k, i.e. it starts from the token and position k leaves on
     the device, and counts nothing if k emitted a stop id. The caller predicts

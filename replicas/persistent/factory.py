@@ -43,3 +43,11 @@ def create_backend(kind: str, core: EngineCore, checkpoint: str | None = None) -
         return CudaGraphBackend(core.model, device, core.config.max_model_len,
                                 fused_epilogue=core.config.fused_greedy_epilogue)
     return EagerBackend(core.model, device)
+
+
+def backend_takes_cached_pages(kind: str) -> bool:
+    """Whether the backend ``kind`` resolves to can start requests from prefix-cached pages
+    (:attr:`~replicas.persistent.contract.PersistentBackend.takes_cached_pages`), known before it is built so
+    that the replica's page allocator is made with or without its prefix cache: every backend but ``mk1``
+    (``auto`` never picks ``mk1``)."""
+    return kind != "mk1"

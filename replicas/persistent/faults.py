@@ -3,8 +3,8 @@
 Off unless ``persistent_fault_injection`` is set in the app config (it never is
 by default). When set, the replica's backend is wrapped in
 :class:`FaultInjectingBackend`, which fails every ``every_n``-th quantum of that
-replica in one of the two ways the contract (DESIGN.md, "Persistent decode
-contract") distinguishes:
+replica in one of the two ways the contract (docs/design.md "Errors")
+distinguishes:
 
 - ``prelaunch``: raise :class:`PrelaunchError` before calling the backend, so
   the KV cache is untouched and the lane falls back;
@@ -56,6 +56,7 @@ class FaultInjectingBackend(PersistentBackend):
         self.spec = spec
         self.name = inner.name
         self.checks_stop_set_on_device = inner.checks_stop_set_on_device
+        self.takes_cached_pages = inner.takes_cached_pages
         self.quanta_seen = 0
 
     def bind_cache(self, binding: CacheBinding) -> None:

@@ -1,7 +1,9 @@
 """The persistent lane: one greedy request at a time, decoded in quanta.
 
-Flow per request: admission (``policy``) → reserve prompt pages → prefill with
-the engine's model runner → stream the first token → repeat { size the quantum
+Flow per request: admission (``policy``) → reserve prompt pages (with prefix
+caching: the longest cached prefix's pages are shared, so only the rest of the
+prompt is prefilled) → prefill with the engine's model runner → stream the
+first token → repeat { size the quantum
 (``policy.quantum_size``), reserve its pages, launch, validate the result,
 stream the quantum as one chunk } → free the pages.
 
@@ -11,6 +13,16 @@ current one emits all its tokens; it starts from the token and position the
 current one leaves on the device. When the current quantum ends the request
 (or stops early) the follower is discarded; a follower the backend refuses
 before launch is simply not queued, and the next quantum launches on its own.
+
+Prefix caching (the engine core's :class:`~replicas.kv_cache.PageAllocator`
+has it on, and the backend ``takes_cached_pages``): the prompt's full pages are
+looked up by their chained hashes (:func:`~replicas.kv_cache.page_hashes`, the
+standard lane's scheme), leaving at least one token to prefill (its logits give
+the first token); after the prefill the prompt's full pages are registered, and
+when the request ends without a failure after launch, the pages its decode
+filled too (positions below the committed KV length), so the next turn of a
+conversation finds the whole previous exchange cached. Cached pages are only
+read: every write of the request lands at positions at or past its prompt.
 
 Errors: a rejection before anything ran is a :class:`Rejection` (the router
 falls back to the standard lane). A :class:`PrelaunchError` on a later quantum
@@ -32,6 +44,8 @@ import torch
 from policy import check_admission, quantum_size
 from replicas.detokenizer import IncrementalDetokenizer
 from replicas.engine import EngineCore
+from replicas.kernels.paged_attention import PAGE_SIZE
+from replicas.kv_cache import page_hashes, pages_for
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
 from replicas.persistent.contract import (
     BackendLaunchError,
@@ -64,6 +78,9 @@ class PersistentLane:
         self._busy = threading.Lock()
         self._reference: EagerBackend | None = None
         self.quanta_run = 0
+        self.prefix_hit_tokens = 0
+        """Prompt tokens served from the prefix cache, summed over requests."""
+        self._clean = True  # the current request's KV is valid below its committed length (no failure after launch)
         if backend is not None:
             backend.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
 
@@ -108,27 +125,71 @@ class PersistentLane:
             yield Rejection(g.request_id, "queued_work", lane=LANE)
             return
         req = Request(g.request_id, list(g.prompt_token_ids), g.params)
+        self._clean = True
         try:
             yield from self._run(req, cancel, telemetry)
         finally:
+            if self._clean and req.block_table:
+                self._register_pages(req, min(req.num_computed_tokens, req.num_tokens))
             self.core.allocator.release(req.block_table)
             self._busy.release()
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether requests share prefix-cached pages here (the allocator's prefix cache is on and the backend
+        takes cached pages)."""
+        return self.core.allocator.enable_prefix_caching and (
+            self.backend is None or getattr(self.backend, "takes_cached_pages", True))
+
+    def _reserve_prompt(self, req: Request) -> bool:
+        """Give ``req`` pages for its prompt: the longest cached prefix shared (at least one token left to
+        prefill), the rest fresh; sets ``num_computed_tokens`` to the cached length. False (nothing taken)
+        when the pages are not there."""
+        alloc = self.core.allocator
+        hits, hashes = [], []
+        if self.prefix_caching:
+            usable = (req.num_prompt_tokens - 1) // PAGE_SIZE
+            hashes = page_hashes(req.prompt_token_ids[: usable * PAGE_SIZE])
+            hits = alloc.match_prefix(hashes)
+        need = pages_for(req.num_prompt_tokens) - len(hits)
+        if not alloc.can_share_and_allocate(hits, need):
+            return False
+        alloc.share(hits)
+        req.block_table = list(hits) + alloc.allocate(need)
+        req.num_computed_tokens = req.num_cached_tokens = len(hits) * PAGE_SIZE
+        req.page_hashes = hashes[: len(hits)]
+        return True
+
+    def _register_pages(self, req: Request, valid: int) -> None:
+        """Register ``req``'s full pages below position ``valid`` (their KV written) in the prefix cache."""
+        if not self.prefix_caching:
+            return
+        full = min(valid // PAGE_SIZE, len(req.block_table))
+        if full <= len(req.page_hashes):
+            return
+        parent = req.page_hashes[-1] if req.page_hashes else None
+        new = page_hashes(req.all_token_ids[: full * PAGE_SIZE], start=len(req.page_hashes), parent=parent)
+        for i, h in enumerate(new, start=len(req.page_hashes)):
+            self.core.allocator.register(req.block_table[i], h)
+        req.page_hashes.extend(new)
+
     def _run(self, req: Request, cancel: threading.Event | None, telemetry=None):
         core = self.core
-        if not core.allocator.can_grow(req.block_table, req.num_prompt_tokens):
+        if not self._reserve_prompt(req):
             yield Rejection(req.request_id, "persistent_capacity", lane=LANE, detail="no free KV pages for the prompt")
             return
-        core.allocator.grow(req.block_table, req.num_prompt_tokens)
+        self.prefix_hit_tokens += req.num_cached_tokens
         detok = IncrementalDetokenizer(core.tokenizer, req.params.stop)
         if telemetry is not None:
             telemetry.scheduled()
-        try:
-            logits = core.runner.execute([(req, req.num_prompt_tokens)])  # prefill
+        try:  # prefill what the prefix cache did not hold
+            logits = core.runner.execute([(req, req.num_prompt_tokens - req.num_computed_tokens)])
         except Exception as exc:  # noqa: BLE001 - reported to the client, replica stays up
+            self._clean = False
             yield GenerationError(req.request_id, f"prefill failed: {exc}", LANE, stage="prefill", reason="prefill_error")
             return
         req.num_computed_tokens = req.num_prompt_tokens
+        self._register_pages(req, req.num_prompt_tokens)
         chunk = self._emit(req, detok, [int(logits[0].argmax())])
         yield chunk
         fallback: str | None = None
@@ -256,6 +317,7 @@ class PersistentLane:
         if telemetry is not None:
             telemetry.quantum(qreq.max_tokens, 0, None, start_ns, time.time_ns(), backend=backend.name,
                               error=getattr(exc, "reason", type(exc).__name__))
+        self._clean = False  # the cache may hold anything past the prompt now: register none of it
         self.unhealthy_reason = getattr(exc, "reason", BackendLaunchError.reason)
         return GenerationError(req.request_id, f"persistent decoder failed after launch: {exc}", LANE,
                                stage="postlaunch", reason=self.unhealthy_reason)
@@ -298,4 +360,6 @@ class PersistentLane:
             "running": int(self.busy), "waiting": 0, "decoder_healthy": self.healthy,
             "unhealthy_reason": self.unhealthy_reason, "quanta_run": self.quanta_run,
             "backend": self.backend.name if self.backend else None,
+            "prefix_caching": self.prefix_caching, "kv_pages_cached": a.num_cached,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
         }

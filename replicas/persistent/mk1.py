@@ -1,6 +1,6 @@
 """``mk1`` persistent backend: an adapter over AMD aiter's ``aiter.MK1`` megakernel (gfx950).
 
-What it does, in order (DESIGN.md "Persistent decode contract", docs/mk1.md):
+What it does, in order (docs/design.md "What the MK1 adapter maps", docs/mk1.md):
 
 1. **Envelope.** :class:`Mk1Envelope` collects the facts MK1 depends on
    (device architecture read from the device properties, KV dtype and
@@ -60,7 +60,7 @@ from replicas.persistent.contract import (
     validate_result,
 )
 
-# --- the facts of aiter.MK1 (squashed commit 4b492bb), DESIGN.md -------------------------------
+# --- the facts of aiter.MK1 (squashed commit 4b492bb), docs/design.md "What the MK1 adapter maps" --
 
 MK1_MODULE = "aiter.MK1"
 MK1_BACKEND = "gpt_oss_gfx950_atom_v1"
@@ -68,7 +68,8 @@ MK1_MODEL_FAMILY = "gpt-oss-120b"
 MK1_MODEL_REVISION = "b5c939de"
 MK1_ARCHITECTURE = "gfx950"
 MK1_CACHE_SCALAR = "bfloat16"
-"""The KV scalar we run MK1 with. ``MK1Config`` also accepts ``float16``; our KV cache is bf16 (DESIGN.md)."""
+"""The KV scalar we run MK1 with. ``MK1Config`` also accepts ``float16``; our KV cache is bf16
+(docs/design.md "KV cache geometry")."""
 MK1_MODES = ("auto", "required")
 MK1_REQUIRED_NAMES = (
     "MK1Config", "is_supported", "PersistentDecoder", "QuantumRequest", "AtomCacheBinding",
@@ -336,6 +337,8 @@ class MK1Backend(PersistentBackend):
     name = "mk1"
     checks_stop_set_on_device = False
     """MK1 stops on one eos id only: with several stop ids the lane runs quanta of 1."""
+    takes_cached_pages = False
+    """MK1's envelope requires prefix caching off (``envelope_reasons``): the lane never shares pages with it."""
 
     def __init__(self, envelope: Mk1Envelope, checkpoint: str | Path, model_config, mode: str = "required"):
         if mode not in MK1_MODES:

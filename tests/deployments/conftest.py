@@ -1,7 +1,9 @@
 """A real local Ray cluster running the real Serve app over real HTTP, shared by this folder's tests.
 
 Two applications are deployed once per session on one Serve instance:
-``/`` with ``--persistent-decoder auto`` and ``/off`` with ``--persistent-decoder off``.
+``/`` with ``--persistent-decoder auto`` and ``/off`` with ``--persistent-decoder off``,
+``/gptoss`` (a tiny random GPT-OSS) and ``/harmony`` (the tiny GPT-OSS trained to answer in
+harmony form, :mod:`ops.tools.make_tiny_harmony_model`; built once and cached).
 Tracing goes over OTLP/HTTP to a real receiver started here. Ray's metrics
 export endpoint (Prometheus text) is at :func:`metrics_url`, reporting every second.
 """
@@ -41,7 +43,18 @@ def tiny_gpt_oss(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def server(otlp, tiny_gpt_oss):
+def tiny_harmony_model():
+    """The tiny GPT-OSS that speaks harmony (trained on CPU once, then cached)."""
+    from ops.tools.make_tiny_harmony_model import tiny_harmony_model
+
+    return tiny_harmony_model()
+
+
+HARMONY_MODEL = "tiny-harmony"
+
+
+@pytest.fixture(scope="session")
+def server(otlp, tiny_gpt_oss, tiny_harmony_model):
     """Base URL of the running app (auto mode); ``/off`` serves the off-mode app and
     ``/gptoss`` a tiny random GPT-OSS checkpoint (auto mode)."""
     ray = pytest.importorskip("ray")
@@ -61,6 +74,11 @@ def server(otlp, tiny_gpt_oss):
     serve.run(build_app({**common, "persistent_decoder": "off"}), name="off", route_prefix="/off")
     serve.run(build_app({**common, "model": str(tiny_gpt_oss), "served_model_name": "tiny-gpt-oss",
                          "max_model_len": 512, "num_kv_blocks": 64}), name="gptoss", route_prefix="/gptoss")
+    from ops.tools.make_tiny_harmony_model import TRAIN_DATE
+
+    serve.run(build_app({**common, "model": str(tiny_harmony_model), "served_model_name": HARMONY_MODEL,
+                         "max_model_len": 512, "num_kv_blocks": 64, "harmony_start_date": TRAIN_DATE,
+                         "engine_num_cpus": 0.1}), name="harmony", route_prefix="/harmony")
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -109,6 +127,7 @@ def client(server):
     assert_pages_returned(server)
     assert_pages_returned(f"{server}/off")
     assert_pages_returned(f"{server}/gptoss")
+    assert_pages_returned(f"{server}/harmony")
 
 
 def wait_healthy(base: str, timeout: float = 120.0) -> None:

@@ -36,3 +36,15 @@ def test_bad_choices_are_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--moe-backend", "mma"])
     assert "invalid choice: 'mma'" in capsys.readouterr().err
+
+
+def test_serve_run_strings_for_structured_fields_are_json():
+    """``serve run deployments.app:build_app moe_tiles='{...}'`` passes strings: dicts, lists and pool
+    settings are parsed as JSON, plain fields are left to pydantic."""
+    config = AppConfig.from_args({"moe_tiles": "{}", "cuda_graph_batch_sizes": "[1, 2, 4]", "max_model_len": "512",
+                                  "standard_pool": '{"max_replicas": 2}', "pipeline_quanta": "false"})
+    assert config.engine.moe_tiles == {} and config.engine.cuda_graph_batch_sizes == (1, 2, 4)
+    assert config.engine.max_model_len == 512 and config.standard_pool.max_replicas == 2
+    assert config.engine.pipeline_quanta is False
+    with pytest.raises(ValueError, match="moe_tiles: expected JSON"):
+        AppConfig.from_args({"moe_tiles": "down_pairs=1"})

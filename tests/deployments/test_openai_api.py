@@ -306,8 +306,12 @@ def test_tokenize_messages_matches_chat_prompt_tokens(client, server):
      "top_logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": FRANCE, "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/chat/completions", {"model": MODEL, "messages": FRANCE, "logit_bias": {"1": 2}}, 400, "logit_bias"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": FRANCE, "response_format": {"type": "json_object"}}, 400,
+    ("/v1/chat/completions", {"model": MODEL, "messages": FRANCE, "response_format": {"type": "json_schema"}}, 400,
      "response_format"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": FRANCE, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": FRANCE, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "best_of"),

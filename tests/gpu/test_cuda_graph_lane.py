@@ -92,6 +92,9 @@ def test_small_random_gpt_oss_20_prompts_x_128_tokens():
 
     core = dummy_core({**real_config("20b"), **SMALL_GPT_OSS}, torch.float32, max_model_len=512)
     core.model.lm_head.weight.data.mul_(20)
-    assert core.runner.graphs is not None and core.runner.graphs.batch_sizes[-1] == 16
-    # at most 16 sequences at once (GPT-OSS's graph limit): the last 4 prompts decode in the 4-bucket
+    assert core.runner.graphs is not None and core.runner.graphs.batch_sizes[-1] == 256
+    # 16 sequences at once (the batch-one kernels' limit): the last 4 prompts decode in the 4-bucket
     _lanes_agree(core, SMALL_GPT_OSS["vocab_size"], max_num_seqs=16)
+    # all 20 at once: the 32-bucket graph, its MoE through the grouped MXFP4 GEMMs
+    _lanes_agree(core, SMALL_GPT_OSS["vocab_size"])
+    assert 32 in core.runner.graphs._graphs

@@ -28,7 +28,7 @@ def test_cpu_mode_runs_all_lanes_on_both_model_families(capsys, tmp_path):
 
 @pytest.mark.parametrize("shape,gigabytes", [("gpt-oss-120b", 5.05), ("gpt-oss-20b", 3.74)])
 def test_bytes_per_token_at_the_real_gpt_oss_shapes(shape, gigabytes):
-    """~5.0 GB per token for 120b (issue 5 / DESIGN.md): attention + LM head in bf16, 4 of 128 MXFP4 experts."""
+    """~5.0 GB per token for 120b (docs/design.md "Performance floors and peers"): attention + LM head in bf16, 4 of 128 MXFP4 experts."""
     from replicas.models.gpt_oss import GptOssForCausalLM
     from replicas.models.gpt_oss_config import GptOssConfig
 

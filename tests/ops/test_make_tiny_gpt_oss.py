@@ -98,7 +98,7 @@ def test_maker_rejects_non_block_sizes():
 
 
 def _formula_params(layers: int, experts: int) -> int:
-    """GPT-OSS parameters from DESIGN.md "Models" numbers, by hand."""
+    """GPT-OSS parameters from docs/design.md "Models" numbers, by hand."""
     h, i, q, kv, vocab = 2880, 2880, 64 * 64, 8 * 64, 201088
     attn = h * (q + 2 * kv) + (q + 2 * kv) + q * h + h + 64  # q/k/v/o weights and biases, sinks
     moe = experts * (h + 1) + experts * (h * 2 * i + 2 * i + i * h + h)  # router; experts with biases
@@ -127,7 +127,7 @@ def test_real_shapes(variant, layers, experts, billions):
 
 
 def test_120b_bytes_match_design_performance_numbers():
-    """DESIGN.md "Performance": ~5.0 GB read per token = experts 1.9 (4 of 128, MXFP4) + attention 1.9 + lm_head 1.16."""
+    """docs/design.md "Performance floors and peers": ~5.0 GB read per token = experts 1.9 (4 of 128, MXFP4) + attention 1.9 + lm_head 1.16."""
     cat = shapes("120b")
     assert 60 * GB < checkpoint_bytes(cat) < 70 * GB
     layer_bytes = {

@@ -1,4 +1,4 @@
-"""Table tests for policy.admission and policy.reasons (seed's rules, DESIGN.md)."""
+"""Table tests for policy.admission and policy.reasons (seed's rules, docs/design.md "Admission")."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ TRIGGERS: dict[Reason, dict] = {
     Reason.NON_GREEDY: {"temperature": 0.7},
     Reason.LOGPROBS: {"logprobs": True},
     Reason.LOGITS_PROCESSING: {"has_logits_processing": True},
+    Reason.STRUCTURED_OUTPUT: {"has_structured_output": True},
     Reason.STOP_STRINGS: {"has_stop_strings": True},
     Reason.STOP_TOKEN_SEQUENCES: {"has_stop_token_sequences": True},
     Reason.KV_TRANSFER: {"kv_transfer": True},
@@ -54,6 +55,7 @@ def test_reason_values_are_stable():
         "non_greedy",
         "logprobs",
         "logits_processing",  # ours: penalties / min_tokens change the argmax (not in the seed's list)
+        "structured_output",  # ours: a grammar's token mask (response_format) needs the host every token
         "stop_strings",
         "stop_token_sequences",
         "kv_transfer",

@@ -1,4 +1,4 @@
-"""Table tests for policy.lanes (DESIGN.md "Request lifecycle", "Admission")."""
+"""Table tests for policy.lanes (docs/design.md "Two lanes and the router", "Admission")."""
 
 from __future__ import annotations
 

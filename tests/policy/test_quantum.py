@@ -1,4 +1,4 @@
-"""Table and property tests for policy.quantum (seed's quantum rule, DESIGN.md)."""
+"""Table and property tests for policy.quantum (seed's quantum rule, docs/design.md "Quantum size")."""
 
 from __future__ import annotations
 

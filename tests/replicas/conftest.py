@@ -4,7 +4,7 @@ Everything heavy is loaded once per session: our :class:`EngineCore` (``core``),
 the transformers reference model (``hf_model``) and its tokenizer. Greedy
 reference continuations are memoised per (prompt, length, eos mode).
 
-Page accounting is an invariant (DESIGN.md "KV cache geometry"): after every
+Page accounting is an invariant (docs/design.md "KV cache geometry"): after every
 test that used ``core``, the autouse fixture checks that the KV page pool is
 back to full.
 """

@@ -79,17 +79,25 @@ def test_buckets_take_only_pure_decode_batches_that_fit(core):
 
 
 def test_a_model_limits_its_graph_buckets():
-    """A model's ``max_decode_graph_batch`` drops larger buckets (GPT-OSS: its MoE kernels' token limit),
-    and an engine with no bucket left has no graphs at all."""
+    """A model's ``max_decode_graph_batch`` drops larger buckets (GPT-OSS has none since its grouped MoE
+    kernels serve large batches), and an engine with no bucket left has no graphs at all."""
     from replicas.config import EngineConfig
     from replicas.engine import decode_graphs
     from replicas.models.gpt_oss import GptOssForCausalLM
 
     limited = type("M", (), {"max_decode_graph_batch": 16, "decode_static": None})()
     assert DecodeGraphs(limited, [], torch.device("cuda"), 64, batch_sizes=(1, 8, 16, 32)).batch_sizes == (1, 8, 16)
-    from replicas.kernels.moe import DECODE_MAX_TOKENS
+    from replicas.kernels.decode_ops import DecodeOps
+    from replicas.kernels.moe import DECODE_MAX_TOKENS, MoE, MoEChoice
 
-    assert GptOssForCausalLM.max_decode_graph_batch == DECODE_MAX_TOKENS == 16
+    model = GptOssForCausalLM.__new__(GptOssForCausalLM)
+    model.__dict__["ops"] = DecodeOps.reference(moe=True)  # CPU: dequantizing prefill path
+    assert model.max_decode_graph_batch == DECODE_MAX_TOKENS == 16
+    model.__dict__["ops"] = DecodeOps(moe=MoE.__new__(MoE))  # the grouped GEMMs: any batch is capturable
+    model.ops.moe.choice = MoEChoice("triton_tc", "grouped_gemm", False)
+    assert model.max_decode_graph_batch is None
+    gpt = type("M", (), {"max_decode_graph_batch": None, "decode_static": None})()
+    assert DecodeGraphs(gpt, [], torch.device("cuda"), 64).batch_sizes[-1] == 256
     off = type("M", (), {"max_decode_graph_batch": 0, "decode_static": None})()
     kv = type("KV", (), {"planes": lambda self: []})()
     assert decode_graphs(EngineConfig(), off, kv, torch.device("cuda")) is None

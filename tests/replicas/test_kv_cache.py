@@ -1,4 +1,4 @@
-"""Paged KV cache: page allocator accounting and cache geometry (DESIGN.md "KV cache geometry")."""
+"""Paged KV cache: page allocator accounting and cache geometry (docs/design.md "KV cache geometry")."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.kv_cache import KVCache, OutOfPagesError, PageAllocator, pages_for
 from replicas.models.config import ModelConfig
 
-# GPT-OSS-120B attention geometry (DESIGN.md "Models"), built by hand.
+# GPT-OSS-120B attention geometry (docs/design.md "Models"), built by hand.
 GPT_OSS = ModelConfig(
     model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_layers=36,
     num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=150000.0,

@@ -17,9 +17,15 @@ name                runs on                                        file
 ``reference``       anywhere (the CPU path)                        :mod:`.reference`
 =================== ============================================== ==========================
 
-``auto`` takes the first of these that runs here. Prefill (more tokens than :data:`DECODE_MAX_TOKENS`)
-dequantizes every routed expert once and runs dense GEMMs (:func:`.reference.moe_reference`), the
-dequantization being one Triton launch per expert matrix on a GPU (:mod:`.prefill_dequantize`).
+``auto`` takes the first of these that runs here. More tokens than :data:`DECODE_MAX_TOKENS` (prefill,
+large standard-lane batches) take the prefill path, also chosen once (:attr:`MoEChoice.prefill`):
+
+- ``grouped_gemm`` (a GPU with Triton and the engine config's ``prefill_kernels``): token-expert pairs
+  grouped by expert on the device, tensor-core GEMMs with E2M1 decoded in the kernel, bias and clamped
+  SwiGLU fused (:mod:`.grouped_gemm`); no host sync, so standard-lane decode graphs capture any batch;
+- ``prefill_dequantize`` (a GPU with ``prefill_kernels`` off): every routed expert dequantized once by
+  one Triton launch per matrix (:mod:`.prefill_dequantize`), then dense GEMMs;
+- ``reference`` (CPU): the same in torch (:func:`.reference.moe_reference`).
 
 Shared formats: the MXFP4 weight format (:mod:`.mxfp4`), the repacked decode layout that ``hopper_bulk``
 reads (:mod:`.decode_layout`; experts are repacked in place at load when ``moe_repack`` holds and that
@@ -69,7 +75,7 @@ class MoEChoice:
 
     Attributes:
         backend: the decode backend (one of :data:`MOE_BACKENDS`).
-        prefill: ``prefill_dequantize`` (GPU) or ``reference`` (CPU).
+        prefill: ``grouped_gemm``, ``prefill_dequantize`` (GPU) or ``reference`` (CPU): see the module doc.
         repack: whether the experts are repacked into :mod:`.decode_layout` at load (``hopper_bulk`` only).
         tiles: tile arguments passed to the decode kernels (keys of :data:`TILE_KEYS`).
         reason: why this backend (``auto`` resolution or the config's request).
@@ -126,7 +132,7 @@ def _why_not(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def resolve_moe(requested: str, device: torch.device, dtype: torch.dtype, repack: bool = True,
-                tiles: dict[str, int] | None = None) -> MoEChoice:
+                tiles: dict[str, int] | None = None, prefill_kernels: bool = True) -> MoEChoice:
     """The MoE kernels for a ``dtype`` model on ``device``.
 
     Args:
@@ -134,6 +140,8 @@ def resolve_moe(requested: str, device: torch.device, dtype: torch.dtype, repack
         repack: repack the experts for ``hopper_bulk`` at load (ignored by the other backends).
         tiles: tile arguments for the decode kernels; every key must be one of the backend's
             :data:`TILE_KEYS`.
+        prefill_kernels: on a GPU, the grouped GEMMs serve more than :data:`DECODE_MAX_TOKENS` tokens
+            (else the per-expert dequantization).
 
     Raises:
         MoEBackendError: an unknown name, a named backend that cannot run here, or unknown tile keys.
@@ -154,7 +162,8 @@ def resolve_moe(requested: str, device: torch.device, dtype: torch.dtype, repack
     if unknown:
         raise MoEBackendError(f"moe_tiles {unknown} are not tiles of {name} (its tiles: "
                               f"{', '.join(TILE_KEYS[name]) or 'none'})")
-    prefill = "prefill_dequantize" if device.type == "cuda" and _triton_importable() else "reference"
+    gpu = device.type == "cuda" and _triton_importable()
+    prefill = ("grouped_gemm" if prefill_kernels else "prefill_dequantize") if gpu else "reference"
     return MoEChoice(name, prefill, repack and name == "hopper_bulk", tiles, reason)
 
 
@@ -178,11 +187,15 @@ class MoE:
     def __init__(self, choice: MoEChoice, pdl: bool = False):
         self.choice = choice
         self._decode = self._load_decode(choice, pdl)
-        self._dequantize = None
-        if choice.prefill == "prefill_dequantize":
+        self._dequantize = self._grouped = self._grouped_partials = None
+        if choice.prefill in ("prefill_dequantize", "grouped_gemm"):  # the dequantizing path stays the fallback
             from replicas.kernels.moe.prefill_dequantize import triton_dequantize_mxfp4
 
             self._dequantize = triton_dequantize_mxfp4
+        if choice.prefill == "grouped_gemm":
+            from replicas.kernels.moe.grouped_gemm import experts_moe, experts_partials
+
+            self._grouped, self._grouped_partials = experts_moe, experts_partials
 
     @staticmethod
     def _load_decode(choice: MoEChoice, pdl: bool):
@@ -204,6 +217,12 @@ class MoE:
 
             return functools.partial(triton_moe, **tiles)
         return None
+
+    @property
+    def capturable_at_any_batch(self) -> bool:
+        """Whether every token count runs without a host sync (the prefill path is the grouped GEMMs), so
+        the standard lane's decode graphs may capture batches above :data:`DECODE_MAX_TOKENS`."""
+        return self.choice.prefill == "grouped_gemm"
 
     @property
     def takes_mxfp4_activations(self) -> bool:
@@ -232,10 +251,13 @@ class MoE:
     def partials(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
                  x_mxfp4: torch.Tensor | None = None) -> torch.Tensor | None:
         """Per routed expert, its weighted output ``[T, K, hidden]`` fp32 (``x`` ``[T, hidden]``, ``weights``
-        and ``ids`` ``[T, K]`` on the device), or None where the backend has no partials kernel or ``T``
-        exceeds :data:`DECODE_MAX_TOKENS`. ``x_mxfp4``: ``x`` in the tensor-core format, when
-        :attr:`takes_mxfp4_activations` and the caller has it."""
-        if self.choice.backend not in PARTIALS_BACKENDS or x.shape[0] > DECODE_MAX_TOKENS:
+        and ``ids`` ``[T, K]`` on the device), or None where no partials kernel serves ``T`` tokens: up to
+        :data:`DECODE_MAX_TOKENS` the decode backend's (if it has one), above it the grouped GEMMs (if
+        they are the prefill path). ``x_mxfp4``: ``x`` in the tensor-core format, when
+        :attr:`takes_mxfp4_activations` and the caller has it (decode sizes only)."""
+        if x.shape[0] > DECODE_MAX_TOKENS:
+            return self._grouped_partials(x, weights, ids, experts) if self._grouped_partials else None
+        if self.choice.backend not in PARTIALS_BACKENDS:
             return None
         extra = {"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}
         return self._decode(x, weights, ids, *_packed(experts), **extra)
@@ -243,7 +265,10 @@ class MoE:
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
         """``residual + sum_k weights[:, k] * expert_{ids[:, k]}(x)`` ``[T, hidden]`` in ``x.dtype``: the decode
-        kernel for up to :data:`DECODE_MAX_TOKENS` tokens, else (and on the CPU) dequantize-then-GEMM."""
+        kernel for up to :data:`DECODE_MAX_TOKENS` tokens, else the prefill path (:attr:`MoEChoice.prefill`)."""
+        if x.shape[0] > DECODE_MAX_TOKENS and self._grouped is not None:
+            out = self._grouped(x, weights, ids, experts)
+            return out if residual is None else residual + out
         if x.shape[0] <= DECODE_MAX_TOKENS:
             parts = self.partials(x, weights, ids, experts)
             if parts is not None:

@@ -17,15 +17,15 @@ so that:
   bring the magnitude bits down, a left shift of 4 the signs up; the copies
   never overlap, so the multiplication has no carries).
 
-5 integer-ALU and 4 FMA-pipe instructions per word instead of 8 and 5 (on an
-H200 the integer ALU pipe takes a warp instruction every other cycle and bounds
-the decoding: ``docs/benchmarks.md``, GPT-OSS item 13). Only the bits inside a
+5 integer-ALU and 4 FMA-pipe instructions per word instead of 8 and 5 (on
+Hopper the integer ALU pipe issues a warp instruction every other cycle, and it
+bounds the decoding: ``docs/benchmarks.md``). Only the bits inside a
 word move, so rows, blocks, scales and the activations' order are unchanged.
 The layout was found by exhaustive search over the 8! placements of pair 3.
 
 Used by the ``hopper_bulk`` MoE backend when the engine config's ``moe_repack`` holds (the default):
 :meth:`replicas.kernels.moe.MoE.prepare` repacks a loaded model's experts once, in place
-(``docs/benchmarks.md``, GPT-OSS item 14, has what it buys).
+(``docs/benchmarks.md`` has what it buys).
 """
 
 from __future__ import annotations

@@ -1,27 +1,22 @@
 """MXFP4 MoE GEMV for decode whose expert weights arrive in shared memory by bulk copy (CUDA C++, Hopper).
 
-Why a fifth variant: :mod:`replicas.kernels.moe.triton_tc` does the math well
-(E2M1 decoded to bf16 pairs, ``mma.sync`` on the tensor cores) but loads its
-weights into registers, and ptxas places each step's loads next to that step's
-MMAs, so a warp keeps one 1 KB step in flight: Nsight Compute measured its
-gate_up launch at 42% of DRAM bandwidth with warps waiting on loads
-(``docs/benchmarks.md``). Here each block asks for *all* of its weights at once:
-one thread issues ``cp.async.bulk`` copies (the Hopper bulk-copy engine, no
+The math is :mod:`replicas.kernels.moe.triton_tc`'s (E2M1 decoded to bf16
+pairs, ``mma.sync`` on the tensor cores); what differs is how the weights
+arrive. A kernel that loads its weights into registers leaves ptxas free to
+place each step's loads next to that step's MMAs, so a warp has one step of
+loads in flight. Here each block asks for *all* of its weights at once: one
+thread issues ``cp.async.bulk`` copies (the Hopper bulk-copy engine, no
 registers held) of the block's rows, which are contiguous in the packed layout
 ``[E, rows, G, 16]``, and of their scales and the activation row, into shared
 memory, completing on ``mbarrier`` transaction counts; then every lane runs
 :mod:`~replicas.kernels.moe.triton_tc`'s MMA step (the same PTX,
 :func:`~replicas.kernels.moe.triton_tc.mma_asm`) on shared-memory operands.
 Blocks are persistent: each takes every so-many tile of 16 rows (23 KB at
-gpt-oss-120b's width) and keeps ``stages`` tiles' copies in flight, so with
-several blocks per SM ~200 KB are requested per SM instead of ~32 KB.
-
-Measured (``docs/benchmarks.md``, item 13): the copies do what they should
-(alone, they stream the layer's 52.9 MB at ~3.6 TB/s), but the decoding is now
-the limit: with the weights already in shared memory the two launches still
-take ~17 us, issue- and integer-pipe-bound. The pair takes 23 us per layer
-against the Triton kernels' 25.6 us; gpt-oss-120b 2.28 against 2.34-2.45
-ms/token in the same calls.
+gpt-oss-120b's width) and keeps ``stages`` tiles' copies in flight. With the
+loads out of the way the launches are bound by the E2M1 decoding (issue slots
+and the integer pipe), which is what the repacked layout
+(:mod:`~replicas.kernels.moe.decode_layout`) shortens; ``docs/benchmarks.md``
+has the measurements.
 
 Same inputs, outputs and numerics as :func:`~replicas.kernels.moe.triton_tc.triton_moe_tc`
 (activations in its MMA format, times 2**64; fp32 sums; ``h`` rounded to bf16).
@@ -293,7 +288,8 @@ def available(device_index: int) -> bool:
         with torch.cuda.device(device_index):
             _kernel(1, 1, 1, 1, True, False)
     except RuntimeError as exc:
-        warnings.warn(f"cuda_moe_bulk unavailable ({exc}); using the Triton tensor-core MoE kernels", stacklevel=2)
+        warnings.warn(f"the hopper_bulk MoE kernels do not compile here ({exc}); moe_backend=auto takes the next "
+                      "backend, a named hopper_bulk fails the load", stacklevel=2)
         return False
     return True
 
@@ -351,8 +347,8 @@ def cuda_moe_bulk(
             else 1). stages: tiles in flight per block.
         repacked: the packed blocks are in :mod:`~replicas.kernels.moe.decode_layout`'s bit layout
             (:func:`~replicas.kernels.moe.decode_layout.repack_`), which decodes in fewer instructions.
-            Defaults: the fastest of ``python -m ops.bench.kernels --kernels bulk`` on an H200 at
-            gpt-oss-120b's shape.
+        The tile defaults are the best that ``python -m ops.bench.kernels --kernels hopper_bulk`` found on an H200
+        at gpt-oss-120b's shape (``docs/benchmarks.md``).
 
     Returns:
         ``[T, K, hidden]`` fp32; ``x + out.sum(1)`` (in order) is the MoE layer with its residual.
@@ -363,7 +359,7 @@ def cuda_moe_bulk(
             stages not fitting in shared memory, or more than :data:`MAX_PAIRS` (token, expert) pairs.
     """
     t, hidden, k, inter = check_packed_moe(x, ids, gate_up_blocks, down_blocks)
-    if down_pairs is None:  # 32-row down tiles where they divide hidden (docs/benchmarks.md, item 16)
+    if down_pairs is None:  # 32-row down tiles where they divide hidden (docs/benchmarks.md)
         down_pairs = 2 if hidden % 32 == 0 else 1
     for name, tensor in (("gate_up_scales", gate_up_scales), ("down_scales", down_scales),
                          ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):

@@ -110,7 +110,7 @@ def _rows_dot(row_ptr, srow_ptr, x_ptr, row_ok, G: tl.constexpr, GB: tl.constexp
     · the ``G * 32`` activations at ``x_ptr``, ``GB`` 32-value blocks per step, each block in one thread.
 
     The next step's loads are issued before this step's arithmetic (a batch-one GEMV has nothing else to
-    hide DRAM latency with; two steps ahead measured the same on an H200)."""
+    hide DRAM latency with; one step ahead suffices: the kernel is bound by its instructions)."""
     NS: tl.constexpr = (G + GB - 1) // GB
     b, s, x = _load_step(row_ptr, srow_ptr, x_ptr, row_ok, 0, G, GB)
     for i in tl.static_range(NS):
@@ -188,7 +188,7 @@ def triton_moe_gemv(
         alpha, limit: the clamped SwiGLU's constants (GPT-OSS: 1.702, 7.0).
         block_j: SwiGLU outputs per gate_up program; block_r: output rows per down program;
             blocks_per_step: 32-value blocks loaded per step (one per thread); num_warps: per program.
-            Defaults: the fastest of ``python -m ops.bench.kernels`` on an H200 at gpt-oss-120b's shape.
+            Defaults: the best that ``python -m ops.bench.kernels --kernels triton_fp32`` found on an H200 at gpt-oss-120b's shape.
         ptx: decode with inline PTX (default: on CUDA; Triton's CPU interpreter needs False).
 
     Returns:

@@ -1,12 +1,12 @@
 """Triton kernels: MXFP4 MoE GEMV on the tensor cores through inline-PTX ``mma.sync`` (decode, few tokens).
 
-Why a fourth variant: the SIMT kernel (:mod:`replicas.kernels.moe.triton_fp32`)
-spends about 4.5 instructions per weight (3.25 to decode an E2M1 code into an
-fp32 bit pattern, one fp32 FMA, the activations' conversion), and at batch one
-on an H200 that instruction stream, not DRAM, is the limit (~1.46 TB/s). Here
-each code is decoded into a *bf16* bit pattern two at a time (about 1.9
-integer instructions per weight) and the multiply-adds run on the tensor cores
-(one ``mma.m16n8k16`` per 256 weights), accumulating in fp32.
+At batch one an MXFP4 GEMV is bound by its instruction stream, not by DRAM:
+the SIMT kernel (:mod:`replicas.kernels.moe.triton_fp32`) spends about 4.5
+instructions per weight (3.25 to decode an E2M1 code into an fp32 bit pattern,
+one fp32 FMA, the activations' conversion). Here each code is decoded into a
+*bf16* bit pattern two at a time (about 1.9 integer instructions per weight)
+and the multiply-adds run on the tensor cores (one ``mma.m16n8k16`` per 256
+weights), accumulating in fp32.
 
 The MMA fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"): lane ``t``
 of a warp holds A rows ``t/4`` and ``t/4 + 8`` at the k-columns of its quad
@@ -26,8 +26,7 @@ Nothing here depends on how Triton lays tensors out (Triton 3.6 and 3.9 lay
 the same ``[rows, 4, 16]`` byte tile out differently): the PTX path works on
 one-element-per-thread tensors, every lane computes its rows and blocks from
 ``%tid.x`` and loads with inline PTX, and results are stored through computed
-indices. (A first version that fed Triton's own tile layout to the MMA was
-correct under one Triton version only.)
+indices.
 
 Bit tricks (OCP MX v1.0 §5.3.3 for E2M1; bf16 is fp32's top half): a code's
 magnitude bits ``e1 e0 m`` on bf16 bits 8..6 and its sign on bit 15 read as the
@@ -79,7 +78,7 @@ def mma_asm(ref: str = "$", chains: int = 1, repacked: bool = False) -> str:
     ``2**a + 2**b``, which places a copy of each nibble so that its magnitude bits land on bf16 bits 8..6 and
     another so that its sign lands on bit 15 (the copies do not overlap, so the product is their OR); mask
     those bits. The multiplications (and the shift, a ``mul.hi``) run on the FMA pipe, leaving two ``lop3``
-    per pair on the integer ALU pipe, which runs at half the issue rate on an H200.
+    per pair on the integer ALU pipe, which issues at half rate on Hopper.
 
     ``repacked``: the words are in :mod:`replicas.kernels.moe.decode_layout`'s layout (pair 0 one
     instruction, pairs 1 and 2 two, pair 3 four)."""
@@ -497,8 +496,8 @@ def triton_moe_tc(
         x_mxfp4: ``x`` already in the MMA format (:func:`mxfp4_activations`), e.g. written by the
             add+RMSNorm launch that produced ``x``; computed here (torch ops) when None.
         num_warps: per program (16 rows); the warps split the rows' 32-value blocks. down_num_warps: the
-            down launch's (None: ``num_warps``). Defaults of all tiles: the fastest of ``python -m
-            ops.bench.kernels --kernels tc`` on an H200 at gpt-oss-120b's shape (25.8 us per layer).
+            down launch's (None: ``num_warps``). Defaults of all tiles: the best that ``python -m
+            ops.bench.kernels --kernels triton_tc`` found on an H200 at gpt-oss-120b's shape (docs/benchmarks.md).
         depth: steps of loads in flight ahead of the MMAs (1 or 2); down_depth: the down launch's (None:
             ``depth``).
         pairs: row pairs per lane (1 or 2: 16 or 32 rows per program, the second pair sharing the first's

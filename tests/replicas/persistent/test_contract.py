@@ -1,4 +1,4 @@
-"""The persistent-decode contract (DESIGN.md) and the persistent lane's handling of every outcome.
+"""The persistent-decode contract (docs/design.md "Persistent decode contract") and the persistent lane's handling of every outcome.
 
 Backend failures are injected with :class:`FaultyBackend`, a test double of
 the *backend boundary* only: it decodes with the real eager backend over the

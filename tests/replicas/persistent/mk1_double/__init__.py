@@ -1,7 +1,7 @@
 """A test double of the ``aiter.MK1`` module boundary.
 
 It is NOT AMD's code and proves nothing about the real kernel: it implements,
-in plain Python/torch, the import surface DESIGN.md records for ``aiter.MK1``
+in plain Python/torch, the import surface docs/design.md records for ``aiter.MK1``
 (squashed commit 4b492bb) so that ``replicas/persistent/mk1.py`` can be tested
 on a machine with no AMD GPU. What it does:
 

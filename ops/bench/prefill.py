@@ -1,0 +1,1042 @@
+"""Prefill and standard-lane benchmark on one GPU, in one call: kernel checks, kernel peers, TTFT, batching.
+
+Parts (``--parts``; by default ``checks``, the two model shapes, ``kernels``, ``lanes``, ``tiles``, in that
+order; each in its own ``try``, so one failing part does not lose the others; a time budget,
+``--budget-s``, skips what would not fit):
+
+* ``checks`` — the new kernels in bf16 on fresh random inputs against their torch references in fp32:
+  prefill attention (:mod:`replicas.kernels.prefill_attention`; ragged batches, chunks after cached context,
+  decode tokens, sinks, the 128-token window) and the grouped MXFP4 MoE GEMMs
+  (:mod:`replicas.kernels.moe.grouped_gemm`, both weight layouts); the tensor step metadata
+  (:mod:`replicas.step_inputs`) against the list path on the device.
+* ``kernels`` — kernel-level timings at gpt-oss-120b's layer shapes, tokens 1, 16, 64, 1,024, 8,192, with
+  the peers side by side: prefill attention against ``torch.nn.functional.scaled_dot_product_attention``
+  (flash backend, causal, without sinks: the peer cannot take them); the MoE layer (both GEMMs and the
+  SwiGLU) against ``matmul_ogs`` of OpenAI's ``triton_kernels`` (the copy vLLM ships under
+  ``vllm/third_party/triton_kernels``; ``--triton-kernels DIR`` names the folder holding the
+  ``triton_kernels`` package) and against the MoE path this project ran before (decode kernels up to 16
+  tokens, else each routed expert dequantized); compute and bytes floors.
+* ``gpt-oss-120b`` / ``gpt-oss-20b`` — random weights of the released shapes (``ops/bench/engine.py``):
+  TTFT at prompts of 128, 1,024 and 8,192 tokens, batch one, on the persistent lane and the standard lane,
+  with the floor (compute at ``--tflops``, bytes at ``--bandwidth-tbps``); the previous path (torch
+  attention per sequence, experts dequantized one by one) at 1,024 for comparison; a repeated 2,000-token
+  prompt on the persistent lane with prefix caching (only the uncached rest is prefilled). For 120b also the
+  standard lane at concurrency 1, 8, 16, 64, 256 (random 1,024-token prompts, 128 new tokens, greedy):
+  output tok/s, ITL median/p99, the median decode step at full concurrency and its fraction of the
+  bandwidth floor of what it reads (dense weights, the distinct experts ``c`` tokens route to, the KV).
+* ``lanes`` — a small random GPT-OSS in fp32 and bf16: greedy tokens of 20 prompts x 128 identical between
+  the persistent lane and the standard lane (new prefill, decode graphs past 16 sequences), and the
+  standard lane at concurrency 64 against the same requests one at a time (how many match).
+* ``tiles`` — tile alternatives of the grouped MoE GEMMs (64, 1,024, 8,192 tokens) and of the prefill
+  attention (8,192 tokens), for choosing the defaults.
+
+Everything is printed as tables at the end and written to ``--out`` (default ``$OUT``): ``report.md``
+(tables, command, GPU and versions), ``results.json``, ``errors.txt`` (tracebacks of failed parts) and
+``benchmarks_section.md`` (the section for ``docs/benchmarks.md``; merge it with
+``python -m ops.bench.prefill --merge-docs FILE``).
+
+Usage (H200, one command, under 9 minutes):
+``python -m ops.bench.prefill --out $OUT --triton-kernels .carry``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+DOCS_MARKER = "bench_prefill"
+PARTS = ("checks", "gpt-oss-120b", "gpt-oss-20b", "kernels", "lanes", "tiles")
+"""In priority order: the headline measurements first, so a run cut short by its time budget keeps them."""
+
+
+class Settings:
+    """Shapes and sizes of a run: the real ones on a GPU, tiny ones for ``--smoke`` (CPU, Triton's interpreter,
+    fp32: checks that the script itself runs, not the numbers)."""
+
+    device = "cuda"
+    dtype = torch.bfloat16
+    smoke = False
+    tokens = (1, 16, 64, 1024, 8192)
+    moe_tokens = (1, 8, 16, 64, 256, 1024, 8192)  # 8 and 256: the standard lane's c=8 and c=256 decode steps
+    prompts = (128, 1024, 8192)
+    warm_prompts = (128, 300, 500, 1000, 2000, 8192)  # every MoE block height and both attention variants
+    concurrency = (1, 8, 16, 64, 256)
+    sweep_prompt = 1024
+    repeat_prompt = 2000
+    heads = (64, 8, 64)  # query heads, KV heads, head_dim (gpt-oss)
+    moe = (128, 2880, 2880, 4)  # experts, hidden, expert width, top-k (gpt-oss-120b)
+    check_experts = 32
+    moe_check_tokens = (1, 17, 300, 2000)
+    lanes = (20, 128, 64)  # prompts, tokens, concurrency
+
+    @classmethod
+    def make_smoke(cls) -> None:
+        cls.device, cls.dtype, cls.smoke = "cpu", torch.float32, True
+        cls.tokens, cls.prompts, cls.warm_prompts, cls.concurrency = (1, 16, 40), (16, 40), (40,), (1, 3)
+        cls.moe_tokens = cls.tokens
+        cls.sweep_prompt, cls.repeat_prompt = 24, 40
+        cls.heads, cls.moe, cls.check_experts, cls.moe_check_tokens = (8, 2, 16), (8, 64, 64, 2), 8, (1, 9)
+        cls.lanes = (3, 6, 4)
+
+
+S = Settings
+
+
+def sync() -> None:
+    if S.device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------- report
+
+
+class Report:
+    """Tables collected part by part, written to ``out`` after every part (a run cut short keeps them)."""
+
+    def __init__(self, out: Path, argv: list[str], budget_s: float):
+        self.out = out
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.command = "python -m ops.bench.prefill " + " ".join(argv)
+        self.sections: list[tuple[str, list[str]]] = []
+        self.rows: dict[str, list[dict]] = {}
+        self.errors: list[str] = []
+        self.t0 = time.perf_counter()
+        self.budget_s = budget_s
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
+
+    def table(self, title: str, header: list[str], rows: list[list], note: str = "") -> None:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(_fmt(v) for v in r) + " |" for r in rows]
+        if note:
+            lines += ["", note]
+        self.sections.append((title, lines))
+        self.rows.setdefault(title, []).extend(dict(zip(header, r, strict=False)) for r in rows)
+        print(f"\n### {title}\n" + "\n".join(lines), flush=True)
+        self.write()
+
+    def note(self, title: str, text: str) -> None:
+        self.sections.append((title, [text]))
+        print(f"\n### {title}\n{text}", flush=True)
+        self.write()
+
+    def error(self, part: str, exc: BaseException) -> None:
+        text = f"== {part}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        self.errors.append(text)
+        print(text, flush=True)
+        self.write()
+
+    def markdown(self) -> str:
+        head = [f"Command: `{self.command}`", f"Machine: {machine()}", ""]
+        body = []
+        for title, lines in self.sections:
+            body += [f"### {title}", "", *lines, ""]
+        return "\n".join(head + body)
+
+    def write(self) -> None:
+        text = self.markdown()
+        (self.out / "report.md").write_text(text)
+        (self.out / "results.json").write_text(json.dumps({"command": self.command, "machine": machine(),
+                                                           "tables": self.rows}, indent=1, default=str))
+        (self.out / "errors.txt").write_text("\n".join(self.errors) or "no errors\n")
+        section = (f"<!-- {DOCS_MARKER}:start -->\n## Prefill and the standard lane on one GPU "
+                   f"(`ops/bench/prefill.py`)\n\n{text}\n<!-- {DOCS_MARKER}:end -->\n")
+        (self.out / "benchmarks_section.md").write_text(section)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "—"
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
+    return str(v)
+
+
+def machine() -> str:
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "CPU"
+    return (f"{gpu}; torch {torch.__version__}; triton {triton.__version__}; Python {platform.python_version()}; "
+            f"{time.strftime('%Y-%m-%d')}")
+
+
+def cuda_ms(fn, reps: int = 10, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn()`` on the GPU (CUDA events around each call; the wall clock on CPU)."""
+    if S.smoke:
+        reps, warmup = 1, 0
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        if S.device != "cuda":
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max |got - want| / max |want|`` in fp32."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------------------- inputs
+
+
+def random_experts(e: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
+    """``E`` random packed MXFP4 experts (GPT-OSS buffer names; scales 2**-9..2**-4 as trained experts)."""
+    from types import SimpleNamespace
+
+    g = torch.Generator(device=S.device).manual_seed(seed)
+
+    def packed(rows, cols):
+        b = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8, device=S.device)
+        s = torch.randint(118, 124, (e, rows, cols // 32), generator=g, dtype=torch.uint8, device=S.device)
+        return b, s
+
+    gub, gus = packed(2 * inter, hidden)
+    db, ds = packed(hidden, inter)
+    return SimpleNamespace(
+        gate_up_proj_blocks=gub, gate_up_proj_scales=gus, down_proj_blocks=db, down_proj_scales=ds,
+        gate_up_proj_bias=(0.1 * torch.randn(e, 2 * inter, generator=g, device=S.device)).to(dtype),
+        down_proj_bias=(0.1 * torch.randn(e, hidden, generator=g, device=S.device)).to(dtype),
+        alpha=1.702, limit=7.0, decode_layout=False)
+
+
+def repacked_copy(experts):
+    """A copy of ``experts`` with the blocks in the decode layout (what the model holds on Hopper)."""
+    from types import SimpleNamespace
+
+    from replicas.kernels.moe.decode_layout import repack_
+
+    out = SimpleNamespace(**vars(experts))
+    out.gate_up_proj_blocks = repack_(experts.gate_up_proj_blocks.clone())
+    out.down_proj_blocks = repack_(experts.down_proj_blocks.clone())
+    out.decode_layout = True
+    return out
+
+
+def fp32_copy(experts):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                              for k, v in vars(experts).items()})
+
+
+def attention_batch(q_lens, ctx_lens, seed=0):
+    """Random query and cache planes (``S.heads``, ``S.dtype``) and the batch's :class:`AttentionMetadata`
+    (shuffled pages)."""
+    from replicas.kernels.paged_attention import AttentionMetadata
+
+    heads, kv_heads, head_dim = S.heads
+    dev = S.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    pages = [-(-c // 16) for c in ctx_lens]
+    blocks = sum(pages) + 4
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g, device=dev).to(S.dtype)
+    kp = torch.randn(blocks, 16, kv_heads, head_dim, generator=g, device=dev).to(S.dtype)
+    vp = torch.randn(blocks, 16, kv_heads, head_dim, generator=g, device=dev).to(S.dtype)
+    perm = torch.randperm(blocks, generator=g, device=dev)
+    tables, used = [], 0
+    for n in pages:
+        tables.append(perm[used:used + n])
+        used += n
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    positions = torch.cat([torch.arange(c - n, c, device=dev) for n, c in zip(q_lens, ctx_lens, strict=True)])
+    meta = AttentionMetadata(positions=positions, slot_mapping=positions, query_start=starts,
+                             context_lens=list(ctx_lens), block_tables=tables)
+    return q, kp, vp, meta
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+
+ATTENTION_CASES = (
+    ("whole prompt 777", [777], [777], None),
+    ("whole prompt 777, window 128", [777], [777], 128),
+    ("ragged: chunk 300 after 700, 2 decodes, prompt 513, chunk 64 after 1000", [300, 1, 1, 513, 64],
+     [1000, 1500, 40, 513, 1064], None),
+    ("same, window 128", [300, 1, 1, 513, 64], [1000, 1500, 40, 513, 1064], 128),
+)
+SMOKE_ATTENTION_CASES = (("ragged", [20, 1, 9], [50, 30, 9], None), ("ragged, window 8", [20, 1, 9], [50, 30, 9], 8))
+
+
+def check_attention(tol: float = 2e-2) -> list[list]:
+    """Rows ``[case, max rel err, tol, ok]``: the dispatching :func:`paged_attention` (Triton on CUDA, bf16)
+    against :func:`paged_attention_reference` in fp32 on the same values, sinks on."""
+    from replicas.kernels.paged_attention import paged_attention, paged_attention_reference
+    from replicas.kernels.prefill_attention import triton_prefill_attention
+
+    rows = []
+    for i, (name, q_lens, ctx_lens, window) in enumerate(SMOKE_ATTENTION_CASES if S.smoke else ATTENTION_CASES):
+        q, kp, vp, meta = attention_batch(q_lens, ctx_lens, seed=i)
+        sinks = torch.randn(S.heads[0], generator=torch.Generator(device=S.device).manual_seed(i),
+                            device=S.device).to(S.dtype)
+        if S.smoke:  # the CPU dispatch takes the reference: call the kernel itself (the interpreter runs it)
+            from replicas.kernels.prefill_attention import num_tiles_for, tokens_per_tile
+
+            dev = meta.device_view(q.device)
+            n = num_tiles_for(meta.query_lens, tokens_per_tile(q.shape[1], kp.shape[2]))
+            got = triton_prefill_attention(q, kp, vp, dev.query_start, dev.context_lens, dev.block_table, 0.125, n,
+                                           sinks=sinks, sliding_window=window)
+        else:
+            got = paged_attention(q, kp, vp, meta, 0.125, sinks=sinks, sliding_window=window)
+        want = paged_attention_reference(q.float(), kp.float(), vp.float(), meta, 0.125, sinks=sinks.float(),
+                                         sliding_window=window)
+        err = rel_err(got, want)
+        rows.append([f"attention: {name}", err, tol, err < tol])
+    return rows
+
+
+def check_moe(tol: float = 2e-2, experts=None) -> list[list]:
+    """Rows: the grouped MoE GEMMs (bf16, both layouts) against the dequantize-then-GEMM reference in fp32,
+    32 experts of gpt-oss-120b's widths, top 4."""
+    from replicas.kernels.moe import moe_reference
+    from replicas.kernels.moe.grouped_gemm import experts_moe
+
+    _, hidden, inter, k = S.moe
+    e = S.check_experts
+    experts = experts or random_experts(e, hidden, inter, S.dtype, seed=1)
+    layouts = {"checkpoint layout": experts, "decode layout": repacked_copy(experts)}
+    ref_experts = fp32_copy(experts)
+    rows = []
+    for t in S.moe_check_tokens:
+        g = torch.Generator(device=S.device).manual_seed(t)
+        x = torch.randn(t, hidden, generator=g, device=S.device).to(S.dtype)
+        logits = torch.randn(t, e, generator=g, device=S.device)
+        top, ids = torch.topk(logits, k, dim=-1)
+        weights = torch.softmax(top, -1).to(S.dtype)
+        want = moe_reference(x.float(), weights.float(), ids, ref_experts)
+        for name, ex in layouts.items():
+            err = rel_err(experts_moe(x, weights, ids, ex), want)
+            rows.append([f"grouped MoE: {t} tokens, {name}", err, tol, err < tol])
+    return rows
+
+
+def check_step_inputs() -> list[list]:
+    """The tensor step metadata on the GPU equals the list path (positions, slots, tables)."""
+    from replicas.kv_cache import PageAllocator
+    from replicas.model_runner import build_metadata
+    from replicas.request import Request, SamplingParams
+    from replicas.step_inputs import StepInputs
+
+    alloc = PageAllocator(400)
+    g = torch.Generator().manual_seed(0)
+    reqs = [Request(f"r{i}", torch.randint(0, 999, (n,), generator=g).tolist(), SamplingParams())
+            for i, n in enumerate((300, 17, 1000))]
+    for r in reqs:
+        alloc.grow(r.block_table, r.num_prompt_tokens)
+    reqs[2].num_computed_tokens = 640
+    batch = [(reqs[0], 300), (reqs[1], 17), (reqs[2], 360)]
+    inputs = StepInputs(S.device, max_blocks=128)
+    ids_t, meta_t = inputs.build(batch)
+    ids_l, meta_l = build_metadata(batch, S.device)
+    ok = (torch.equal(ids_t.long(), ids_l) and torch.equal(meta_t.positions, meta_l.positions)
+          and torch.equal(meta_t.slot_mapping, meta_l.slot_mapping)
+          and torch.equal(meta_t.last_token_indices.cpu(), meta_l.last_token_indices))
+    return [[f"step metadata: tensor path == list path ({S.device})", 0.0 if ok else 1.0, 0.0, ok]]
+
+
+def part_checks(rep: Report, args) -> None:
+    rows = []
+    for fn in (check_attention, check_moe, check_step_inputs):
+        try:
+            rows += fn()
+        except Exception as exc:  # noqa: BLE001 - the other checks still run
+            rep.error(f"checks/{fn.__name__}", exc)
+    rep.table(f"Kernel checks, {str(S.dtype).removeprefix('torch.')}, fresh random inputs (against torch "
+              "references in fp32)",
+              ["check", "max rel err", "tolerance", "ok"], rows)
+
+
+# ------------------------------------------------------------------------------------------- kernels
+
+
+def part_kernels(rep: Report, args) -> None:
+    try:
+        _attention_kernels(rep, args)
+    except Exception as exc:  # noqa: BLE001
+        rep.error("kernels/attention", exc)
+    try:
+        _moe_kernels(rep, args)
+    except Exception as exc:  # noqa: BLE001
+        rep.error("kernels/moe", exc)
+
+
+def _attention_kernels(rep: Report, args) -> None:
+    import torch.nn.functional as F
+
+    from replicas.kernels.paged_attention import paged_attention
+    from replicas.kernels.prefill_attention import attention_flops
+
+    heads, kvh, d = S.heads
+    backend = "FLASH_ATTENTION" if S.device == "cuda" else "MATH"
+    rows = []
+    for n in S.tokens:
+        q, kp, vp, meta = attention_batch([n], [n], seed=n)
+        sinks = torch.randn(heads, device=S.device).to(S.dtype)
+        full = cuda_ms(lambda q=q, kp=kp, vp=vp, meta=meta, s=sinks: paged_attention(q, kp, vp, meta, 0.125, sinks=s))
+        win = cuda_ms(lambda q=q, kp=kp, vp=vp, meta=meta, s=sinks: paged_attention(q, kp, vp, meta, 0.125, sinks=s,
+                                                                                   sliding_window=128))
+        qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        ks = kp.flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0).contiguous()  # [1, KVH, n, D] (contiguous, not paged)
+        vs = vp.flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0).contiguous()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def sdpa_call(q=qs, k=ks, v=vs, causal=n > 1, **kw):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.125, **kw)
+
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                sdpa = cuda_ms(lambda f=sdpa_call: f(enable_gqa=True))
+        except Exception as exc:  # noqa: BLE001 - GQA not on the flash backend here: expand the KV heads
+            print(f"SDPA flash without enable_gqa ({exc})")
+            ke, ve = ks.repeat_interleave(heads // kvh, 1), vs.repeat_interleave(heads // kvh, 1)
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                sdpa = cuda_ms(lambda f=sdpa_call, k=ke, v=ve: f(k=k, v=v))
+        fl, fl_w = attention_flops([n], [n], heads, d), attention_flops([n], [n], heads, d, window=128)
+        rows.append([n, full * 1e3, fl / full / 1e9, win * 1e3, fl_w / win / 1e9, sdpa * 1e3, fl / sdpa / 1e9,
+                     sdpa / full])
+    rep.table("Prefill attention, one sequence, gpt-oss-120b heads (64 q / 8 kv, head_dim 64), bf16",
+              ["tokens", "ours µs (sinks)", "ours TFLOP/s", "ours µs (sinks, window 128)", "TFLOP/s",
+               "SDPA flash µs (no sinks)", "SDPA TFLOP/s", "SDPA / ours"], rows,
+              "Ours reads K/V through the page table (16-token pages); SDPA reads contiguous K/V. FLOPs = 4 H D "
+              "per visible (query, key) pair.")
+
+
+def _matmul_ogs(tk_dir: str | None):
+    """``(prepare(experts) -> weights, run(x, logits, weights) -> [T, hidden])`` over OpenAI's ``triton_kernels``
+    (as vLLM calls it for gpt-oss on Hopper), or an error string."""
+    if not tk_dir or S.device != "cuda":
+        return "not run: no --triton-kernels folder" if not tk_dir else "not run: needs a GPU"
+    sys.path.insert(0, str(Path(tk_dir).resolve()))
+    try:
+        import triton_kernels.swiglu
+        from triton_kernels.matmul_ogs import (
+            FlexCtx,
+            FnSpecs,
+            FusedActivation,
+            PrecisionConfig,
+            matmul_ogs,
+        )
+        from triton_kernels.matmul_ogs_details import opt_flags
+        from triton_kernels.numerics import InFlexData
+        from triton_kernels.routing import routing
+        from triton_kernels.tensor import FP4, convert_layout, wrap_torch_tensor
+        from triton_kernels.tensor_details import layout
+    except Exception as exc:  # noqa: BLE001
+        return f"not run: import failed ({type(exc).__name__}: {exc})"
+
+    if torch.cuda.get_device_capability()[0] == 9:
+        opt_flags.update_opt_flags_constraints({"split_k": 1})
+
+    def swizzle(blocks, scales):
+        e, n, g, _ = blocks.shape
+        value = blocks.view(e, n, g * 16).transpose(-2, -1)  # [E, K/2, N]
+        if torch.cuda.get_device_capability()[0] == 9:
+            scales = torch.nn.functional.pad(scales, (0, -g % 4))  # vLLM's Hopper workaround (K groups % 4)
+        scale = scales.transpose(-2, -1)  # [E, K/32, N]
+        vl, vopts = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+        sl, sopts = layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=8)
+        w = convert_layout(wrap_torch_tensor(value, dtype=FP4), vl, **vopts)
+        s = convert_layout(wrap_torch_tensor(scale), sl, **sopts)
+        return w, PrecisionConfig(weight_scale=s, flex_ctx=FlexCtx(rhs_data=InFlexData()))
+
+    def prepare(ex):
+        w1, pc1 = swizzle(ex.gate_up_proj_blocks, ex.gate_up_proj_scales)
+        w2, pc2 = swizzle(ex.down_proj_blocks, ex.down_proj_scales)
+        return w1, pc1, ex.gate_up_proj_bias.float(), w2, pc2, ex.down_proj_bias.float()
+
+    act = FusedActivation(FnSpecs("swiglu", triton_kernels.swiglu.swiglu_fn, ("alpha", "limit")), (1.702, 7.0), 2)
+
+    def run(x, logits, w, k=4):
+        w1, pc1, b1, w2, pc2, b2 = w
+        rdata, gather, scatter = routing(logits, k, sm_first=False)
+        h = matmul_ogs(x, w1, b1, rdata, gather_indx=gather, precision_config=pc1, fused_activation=act)
+        return matmul_ogs(h, w2, b2, rdata, scatter_indx=scatter, precision_config=pc2, gammas=rdata.gate_scal)
+
+    return prepare, run
+
+
+def _moe_kernels(rep: Report, args) -> None:
+    from replicas.kernels.moe import MoE, resolve_moe
+    from replicas.kernels.moe.grouped_gemm import expert_bytes, experts_moe
+
+    # the previous path: decode kernels up to 16 tokens, else each routed expert dequantized
+    previous = MoE(resolve_moe("auto", torch.device(S.device), S.dtype, prefill_kernels=False), pdl=False)
+
+    e, hidden, inter, k = S.moe
+    experts = random_experts(e, hidden, inter, S.dtype, seed=3)
+    packed = repacked_copy(experts)  # the layout the model holds on Hopper
+    peer = _matmul_ogs(args.triton_kernels)
+    peer_w = None
+    if not isinstance(peer, str):
+        try:
+            peer_w = peer[0](experts)
+        except Exception as exc:  # noqa: BLE001
+            peer = f"not run: weight swizzle failed ({type(exc).__name__}: {exc})"
+    rows, notes = [], []
+    for t in S.moe_tokens:
+        g = torch.Generator(device=S.device).manual_seed(t)
+        x = torch.randn(t, hidden, generator=g, device=S.device).to(S.dtype)
+        logits = torch.randn(t, e, generator=g, device=S.device).to(S.dtype)
+        top, ids = torch.topk(logits.float(), k, dim=-1)
+        weights = torch.softmax(top, -1).to(S.dtype)
+        distinct = int(torch.unique(ids).numel())
+        floor_bytes = expert_bytes(distinct, hidden, inter) / (args.bandwidth_tbps * 1e12) * 1e3
+        floor_flops = 2 * t * k * 3 * hidden * inter / (args.tflops * 1e12) * 1e3
+        floor = max(floor_bytes, floor_flops)
+        ours = cuda_ms(lambda x=x, w=weights, i=ids, ex=packed: experts_moe(x, w, i, ex))
+        ours_ck = cuda_ms(lambda x=x, w=weights, i=ids, ex=experts: experts_moe(x, w, i, ex))
+        before = float("nan")
+        if t <= 1024:  # the previous path: decode kernels up to 16 tokens, else per-expert dequantization
+            before = cuda_ms(lambda x=x, w=weights, i=ids, ex=packed: previous(x, w, i, ex), reps=3, warmup=1)
+        peer_ms, peer_err = float("nan"), float("nan")
+        if not isinstance(peer, str):
+            try:
+                run_peer = peer[1]
+                peer_ms = cuda_ms(lambda x=x, lg=logits, f=run_peer, pw=peer_w: f(x, lg, pw))
+                peer_err = rel_err(run_peer(x, logits, peer_w), experts_moe(x, weights, ids, packed))
+            except Exception as exc:  # noqa: BLE001
+                peer = f"failed at {t} tokens ({type(exc).__name__}: {str(exc)[:200]})"
+        rows.append([t, distinct, floor_bytes, floor_flops, ours, floor / ours, ours_ck, peer_ms, peer_err, before])
+    if isinstance(peer, str):
+        notes.append(f"matmul_ogs: {peer}")
+    rep.table(f"MoE layer (gate_up + SwiGLU + down, {e} experts, top {k}, widths {hidden}/{inter}), "
+              f"{str(S.dtype).removeprefix('torch.')}, ms",
+              ["tokens", "experts read", "bytes floor", "compute floor", "ours (decode layout)", "of floor",
+               "ours (checkpoint layout)", "matmul_ogs", "matmul_ogs vs ours (rel diff)", "previous path"], rows,
+              f"Floors: distinct experts' packed bytes at {args.bandwidth_tbps} TB/s; 2 T K (3 H I) FLOP at "
+              f"{args.tflops} TFLOP/s. matmul_ogs includes its routing (top-k from the logits) and its "
+              "scatter-sum; ours takes the top-k ids and sums the K partials in fp32. " + " ".join(notes))
+    experts = packed = peer_w = None  # noqa: F841 - free the weights before the next part
+    if S.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------- models
+
+
+def gpt_oss_config(shape: str) -> dict:
+    from ops.tools.model_shapes import shape_config
+
+    return shape_config("tiny-gpt-oss" if S.smoke else shape)
+
+
+def model_costs(model) -> dict:
+    """Per-token FLOP (2 x the weights each prefill token multiplies: attention projections, router and ``K``
+    experts; the LM head once per sequence) and the bytes of every weight (packed experts included)."""
+    cfg = model.config
+    dense_flop_params = 0
+    dense_bytes = 0
+    expert_params = 0
+    expert_bytes_all = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name.startswith("rope_"):
+            continue
+        size = t.numel() * t.element_size()
+        if ".experts." in name:
+            expert_bytes_all += size
+            if name.endswith("_blocks"):
+                expert_params += t.numel() * 2  # two codes per byte
+            continue
+        dense_bytes += size
+        if "layers." in name and name.endswith("weight") and t.dim() == 2:
+            dense_flop_params += t.numel()
+    return {
+        "flop_per_token": 2 * (dense_flop_params + expert_params * cfg.experts_per_token / cfg.num_experts),
+        "lm_head_flop": 2 * model.lm_head.weight.numel(),
+        "dense_bytes": dense_bytes,
+        "expert_bytes": expert_bytes_all,
+        "per_expert_layer_bytes": expert_bytes_all / (cfg.num_experts * cfg.num_layers),
+    }
+
+
+def prefill_floor(model, tokens: int, args) -> tuple[float, float]:
+    """(compute floor ms, bytes floor ms) of a batch-one prefill of ``tokens`` tokens."""
+    from replicas.kernels.prefill_attention import attention_flops
+
+    cfg = model.config
+    c = model_costs(model)
+    attn = sum(attention_flops([tokens], [tokens], cfg.num_heads, cfg.head_dim, window=cfg.layer_window(i))
+               for i in range(cfg.num_layers))
+    flop = c["flop_per_token"] * tokens + c["lm_head_flop"] + attn
+    distinct = cfg.num_experts * (1 - (1 - cfg.experts_per_token / cfg.num_experts) ** tokens)
+    kv = 2 * cfg.num_layers * tokens * cfg.num_kv_heads * cfg.head_dim * 2
+    embed = model.model.embed_tokens.weight
+    table = 0 if embed is model.lm_head.weight else embed.numel() * embed.element_size()  # only rows are read
+    byt = c["dense_bytes"] - table + distinct * c["per_expert_layer_bytes"] * cfg.num_layers + kv
+    return flop / (args.tflops * 1e12) * 1e3, byt / (args.bandwidth_tbps * 1e12) * 1e3
+
+
+def decode_step_floor(model, c: int, context: int, args) -> float:
+    """Bandwidth floor (ms) of one decode step of ``c`` sequences at ``context`` tokens: every dense weight
+    once, the expected distinct experts ``c`` tokens route to per layer (uniform routing: random weights),
+    each sequence's KV (the window on sliding layers)."""
+    cfg = model.config
+    costs = model_costs(model)
+    distinct = cfg.num_experts * (1 - (1 - cfg.experts_per_token / cfg.num_experts) ** c)
+    kv_tokens = sum(min(context, cfg.layer_window(i) or context) for i in range(cfg.num_layers))
+    kv = c * 2 * kv_tokens * cfg.num_kv_heads * cfg.head_dim * 2
+    embed = model.model.embed_tokens.weight
+    table = 0 if embed is model.lm_head.weight else embed.numel() * embed.element_size()  # only rows are read
+    byt = costs["dense_bytes"] - table + distinct * costs["per_expert_layer_bytes"] * cfg.num_layers + kv
+    return byt / (args.bandwidth_tbps * 1e12) * 1e3
+
+
+def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def ttft_persistent(core, prompt: list[int], cached: list[int] | None = None) -> float:
+    """Milliseconds to the first chunk of one greedy request on the persistent lane (the backend is not called:
+    one token, the prefill's); ``cached`` gets the prompt tokens the prefix cache served."""
+    from replicas.messages import GenerateRequest
+    from replicas.persistent.eager import EagerBackend
+    from replicas.persistent.lane import PersistentLane
+    from replicas.request import SamplingParams
+
+    lane = PersistentLane(core, EagerBackend(core.model, core.runner.device))
+    sync()
+    t0 = time.perf_counter()
+    chunks = list(lane.generate(GenerateRequest("ttft", prompt, SamplingParams(max_tokens=1, temperature=0.0))))
+    ms = (time.perf_counter() - t0) * 1e3
+    assert chunks and chunks[0].token_ids, chunks
+    if cached is not None:
+        cached.append(lane.prefix_hit_tokens)
+    return ms
+
+
+def ttft_standard(core, prompt: list[int]) -> float:
+    from replicas.engine import LLMEngine
+    from replicas.request import SamplingParams
+    from replicas.scheduler import SchedulerConfig
+
+    cfg = core.config
+    engine = LLMEngine(core, SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, True))
+    sync()
+    t0 = time.perf_counter()
+    engine.add_request("ttft", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        if engine.step():
+            break
+    ms = (time.perf_counter() - t0) * 1e3
+    while engine.has_unfinished():
+        engine.step()
+    return ms
+
+
+def use_prefill_kernels(core, on: bool, ops=None):
+    """Give ``core``'s model the ops with (``on``) or without the prefill kernels (the previous path: torch
+    attention per sequence, each routed expert dequantized), on the same weights; returns the ops it had.
+    ``ops``: the ops to restore instead of building new ones."""
+    import dataclasses
+
+    from replicas.kernels.moe import MoE, resolve_moe
+
+    before = core.model.ops
+    if ops is None:
+        choice = before.moe.choice
+        moe = MoE(resolve_moe(choice.backend, core.runner.device, core.config.resolved_dtype(), choice.repack,
+                              choice.tiles, prefill_kernels=on), pdl=before.pdl)
+        ops = dataclasses.replace(before, prefill_kernels=on and before.triton, moe=moe)
+    core.model.use_ops(ops)
+    core.runner.kernels = ops.prefill_kernels
+    return before
+
+
+def part_model(rep: Report, args, shape: str) -> None:
+    from ops.bench.engine import build_core
+
+    raw = gpt_oss_config(shape)
+    sweep = shape == "gpt-oss-120b" and "sweep" not in args.skip
+    max_len = max(*S.prompts, S.repeat_prompt) + 256
+    per_seq = -(-(S.sweep_prompt + args.new_tokens + 16) // 16)
+    blocks = (max(S.concurrency) * per_seq + 2 * -(-max_len // 16) + 64) if sweep else 3 * -(-max_len // 16)
+    t0 = time.perf_counter()
+    core = build_core(raw, torch.device(S.device), S.dtype, max_len,
+                      {"num_kv_blocks": blocks, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+                       "enable_prefix_caching": True})
+    vocab = raw["vocab_size"]
+    build_s = time.perf_counter() - t0
+    mem = torch.cuda.memory_allocated() / 2**30 if S.device == "cuda" else 0.0
+    print(f"{shape}: built in {build_s:.1f} s, {mem:.1f} GiB", flush=True)
+    try:
+        t0 = time.perf_counter()
+        for n in S.warm_prompts:  # compile every tile configuration before timing
+            try:
+                ttft_persistent(core, random_prompt(vocab, n, seed=n))
+            except Exception as exc:  # noqa: BLE001 - reported; that length fails below too
+                rep.error(f"{shape}/warm-up {n} tokens", exc)
+        warm_s = time.perf_counter() - t0
+        rows = []
+        for n in S.prompts:
+            comp, byt = prefill_floor(core.model, n, args)
+            try:
+                pers = statistics.median(ttft_persistent(core, random_prompt(vocab, n, 100 + r))
+                                         for r in range(args.reps))
+                std = statistics.median(ttft_standard(core, random_prompt(vocab, n, 200 + r))
+                                        for r in range(args.reps))
+                rows.append([n, pers, std, comp, byt, max(comp, byt) / min(pers, std)])
+            except Exception as exc:  # noqa: BLE001 - the other lengths still run
+                rep.error(f"{shape}/TTFT {n} tokens", exc)
+                rows.append([n, float("nan"), float("nan"), comp, byt, f"failed: {type(exc).__name__}"])
+        before = ""
+        if rep.left() > 60:
+            kernels = use_prefill_kernels(core, False)  # the same weights, the previous path's ops
+            try:
+                old = ttft_persistent(core, random_prompt(vocab, S.prompts[1], 300))
+            except Exception as exc:  # noqa: BLE001
+                rep.error(f"{shape}/previous path", exc)
+                old = float("nan")
+            finally:
+                use_prefill_kernels(core, True, kernels)
+            before = (f"Previous path (torch attention per sequence, experts dequantized one by one), "
+                      f"{S.prompts[1]:,} tokens: {old:,.0f} ms.")
+        rep.table(f"TTFT, batch one, {shape} (random weights), ms",
+                  ["prompt", "persistent lane", "standard lane", "compute floor", "bytes floor", "of floor"], rows,
+                  f"Median of {args.reps} fresh random prompts (no prefix-cache hits); floor = max(compute at "
+                  f"{args.tflops} TFLOP/s, bytes at {args.bandwidth_tbps} TB/s), overlapped. Built in {build_s:.0f} s, "
+                  f"warm-up (compiling) {warm_s:.0f} s. {before}")
+        prompt = random_prompt(vocab, S.repeat_prompt, 400)
+        hits: list[int] = []
+        try:
+            cold, warm = ttft_persistent(core, prompt, hits), ttft_persistent(core, prompt, hits)
+        except Exception as exc:  # noqa: BLE001
+            rep.error(f"{shape}/repeated prompt", exc)
+            cold, warm, hits = float("nan"), float("nan"), [-1, -1]
+        rep.table(f"Persistent lane, repeated {S.repeat_prompt:,}-token prompt, {shape}, prefix caching on",
+                  ["request", "TTFT ms", "prompt tokens from the prefix cache"],
+                  [["first (cold)", cold, hits[0]], ["repeat (prefix cached)", warm, hits[1]]],
+                  "The repeat prefills only the tokens past the last full cached page (at most 16).")
+        if sweep:
+            _sweep(rep, args, core)
+    finally:
+        del core
+        import gc
+
+        gc.collect()
+        if S.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _sweep(rep: Report, args, core) -> None:
+    graphs = core.runner.graphs
+    t0 = time.perf_counter()
+    if graphs is not None:
+        for size in graphs.batch_sizes:
+            graphs._capture(size)
+    capture_s = time.perf_counter() - t0
+    steps: list[tuple[int, int]] = []  # (sequences, tokens) of every forward
+    execute = core.runner.execute
+
+    def recording(batch):
+        steps.append((len(batch), sum(n for _, n in batch)))
+        return execute(batch)
+
+    core.runner.execute = recording
+    rows = []
+    last_s = 0.0
+    try:
+        for c in S.concurrency:
+            if rep.left() < max(30.0, 4.5 * last_s):
+                rows.append([c] + [float("nan")] * 7 + ["skipped: time budget"])
+                continue
+            try:
+                rows.append(_sweep_one(core, c, args, steps))
+            except Exception as exc:  # noqa: BLE001 - reported; larger concurrencies would fail the same way
+                rep.error(f"sweep c={c}", exc)
+                rows.append([c] + [float("nan")] * 7 + [f"failed: {type(exc).__name__}"])
+                break
+            last_s = rows[-1][7]
+    finally:
+        core.runner.execute = execute
+    failed = sorted(graphs._failed) if graphs else None
+    rep.table("Standard lane, gpt-oss-120b (random weights): random 1,024-token prompts, 128 new tokens, greedy",
+              ["concurrency", "output tok/s", "ITL median ms", "ITL p99 ms", "decode step ms (all c)",
+               "step floor ms", "of floor", "wall s", "note"], rows,
+              f"All requests added at once; chunked prefill (8,192 tokens per step) mixed with decodes; decode "
+              f"steps replay CUDA graphs (buckets {graphs.batch_sizes if graphs else None}, captured up front in "
+              f"{capture_s:.0f} s; failed to capture: {failed}). Step floor: dense weights + the expected distinct "
+              f"experts of c tokens (uniform routing) + the KV at the mean context, at {args.bandwidth_tbps} TB/s.")
+
+
+def _sweep_one(core, c: int, args, steps: list) -> list:
+    """One concurrency of the standard-lane sweep; returns its table row."""
+    from replicas.engine import LLMEngine
+    from replicas.request import SamplingParams
+    from replicas.scheduler import SchedulerConfig
+
+    vocab = core.model.config.vocab_size
+    engine = LLMEngine(core, SchedulerConfig(256, 8192, True))
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    stamps: dict[str, list[float]] = {}
+    step_ms: list[float] = []
+    steps.clear()
+    sync()
+    t_start = time.perf_counter()
+    for i in range(c):
+        engine.add_request(f"c{c}-{i}", random_prompt(vocab, S.sweep_prompt, 10_000 * c + i), params)
+    while engine.has_unfinished():
+        a = time.perf_counter()
+        out = engine.step()
+        now = time.perf_counter()
+        step_ms.append((now - a) * 1e3)
+        for chunk in out:
+            stamps.setdefault(chunk.request_id, []).append(now)
+    dur = time.perf_counter() - t_start
+    itl = sorted((b - a) * 1e3 for s in stamps.values() for a, b in zip(s, s[1:], strict=False))
+    full = [ms for ms, (b, t) in zip(step_ms, steps, strict=False) if b == c and t == c]
+    step = statistics.median(full) if full else float("nan")
+    floor = decode_step_floor(core.model, c, S.sweep_prompt + args.new_tokens // 2, args)
+    p99 = itl[min(len(itl) - 1, int(0.99 * len(itl)))] if itl else float("nan")
+    assert core.allocator.num_free == core.allocator.num_blocks
+    return [c, c * args.new_tokens / dur, statistics.median(itl) if itl else float("nan"), p99, step, floor,
+            floor / step if full else float("nan"), dur, ""]
+
+
+# ------------------------------------------------------------------------------------------- tiles
+
+
+MOE_TILES = {  # tokens -> alternatives for the block height pick_block_m gives them (120b: 128 experts, top 4)
+    64: [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 3), (32, 128, 2, 3), (64, 128, 8, 4)],
+    1024: [(64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3)],
+    8192: [(128, 64, 8, 3), (128, 64, 4, 3), (256, 64, 8, 3), (128, 128, 8, 4)],
+}
+"""``(block_n, block_k, num_warps, num_stages)`` tried per token count."""
+
+ATTN_TILES = [(128, 64, 4, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]
+"""``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the prefill attention tried at 8,192 tokens."""
+
+
+def part_tiles(rep: Report, args) -> None:
+    """Tile alternatives of the two kernels (for choosing defaults; every result is checked against the
+    default tile's)."""
+    from replicas.kernels import prefill_attention as pa
+    from replicas.kernels.moe import grouped_gemm as mg
+    from replicas.kernels.paged_attention import paged_attention
+
+    e, hidden, inter, k = S.moe
+    experts = repacked_copy(random_experts(e, hidden, inter, S.dtype, seed=5))
+    rows = []
+    for t, tiles in MOE_TILES.items():
+        if S.smoke:
+            t, tiles = 9, tiles[:2]
+        if rep.left() < 30:
+            break
+        g = torch.Generator(device=S.device).manual_seed(t)
+        x = torch.randn(t, hidden, generator=g, device=S.device).to(S.dtype)
+        top, ids = torch.topk(torch.randn(t, e, generator=g, device=S.device), k, dim=-1)
+        w = torch.softmax(top, -1).to(S.dtype)
+        bm = mg.pick_block_m(t * k, e)
+        want = mg.experts_moe(x, w, ids, experts)
+        for bn, bk, warps, stages in tiles:
+            mg.TILE_OVERRIDES[bm] = mg.TileConfig(bm, bn, bk, warps, stages)
+            try:
+                ms = cuda_ms(lambda x=x, w=w, i=ids: mg.experts_moe(x, w, i, experts))
+                err = rel_err(mg.experts_moe(x, w, ids, experts), want)
+                rows.append([f"MoE {t} tokens", f"M{bm} N{bn} K{bk} w{warps} s{stages}", ms, err])
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile
+                rows.append([f"MoE {t} tokens", f"M{bm} N{bn} K{bk} w{warps} s{stages}", float("nan"),
+                             f"{type(exc).__name__}: {str(exc)[:80]}"])
+            finally:
+                mg.TILE_OVERRIDES.clear()
+    n = 40 if S.smoke else 8192
+    q, kp, vp, meta = attention_batch([n], [n], seed=9)
+    sinks = torch.randn(S.heads[0], device=S.device).to(S.dtype)
+    want = paged_attention(q, kp, vp, meta, 0.125, sinks=sinks)
+    for bm, bn, warps, stages in ATTN_TILES[:2] if S.smoke else ATTN_TILES:
+        if rep.left() < 15:
+            break
+        pa.CONFIG_OVERRIDES.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        meta.cache.clear()  # the tile map depends on BLOCK_M
+        try:
+            ms = cuda_ms(lambda: paged_attention(q, kp, vp, meta, 0.125, sinks=sinks))
+            rows.append([f"attention {n} tokens", f"M{bm} N{bn} w{warps} s{stages}", ms,
+                         rel_err(paged_attention(q, kp, vp, meta, 0.125, sinks=sinks), want)])
+        except Exception as exc:  # noqa: BLE001
+            rows.append([f"attention {n} tokens", f"M{bm} N{bn} w{warps} s{stages}", float("nan"),
+                         f"{type(exc).__name__}: {str(exc)[:80]}"])
+        finally:
+            pa.CONFIG_OVERRIDES.clear()
+            meta.cache.clear()
+    rep.table("Tile alternatives (first row of each group: the default), gpt-oss-120b layer shapes",
+              ["kernel", "tile", "ms", "rel diff to default"], rows)
+
+
+# ------------------------------------------------------------------------------------------- lanes
+
+
+SMALL_GPT_OSS = {
+    "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 64, "num_local_experts": 16, "vocab_size": 4096,
+    "layer_types": ["sliding_attention", "full_attention"] * 2, "pad_token_id": 0, "eos_token_id": 1,
+}
+
+
+def lanes_agreement(dtype=torch.float32, prompts_n: int = 20, tokens: int = 128, concurrency: int = 64) -> dict:
+    """Greedy tokens of a small random GPT-OSS: the standard lane (all prompts at once; new prefill kernels,
+    decode graphs past 16 sequences) against the persistent lane (``cuda_graph`` backend), and the standard
+    lane at ``concurrency`` against the same requests one at a time. Returns the counts."""
+    from ops.bench.engine import build_core
+    from ops.tools.make_tiny_gpt_oss import real_config
+    from replicas.engine import LLMEngine
+    from replicas.messages import GenerateRequest
+    from replicas.persistent.cuda_graph import CudaGraphBackend
+    from replicas.persistent.lane import PersistentLane
+    from replicas.request import SamplingParams
+    from replicas.scheduler import SchedulerConfig
+
+    core = build_core({**real_config("20b"), **SMALL_GPT_OSS}, torch.device(S.device), dtype, 512,
+                      {"num_kv_blocks": concurrency * 32 + 64, "max_num_seqs": 256})
+    core.model.lm_head.weight.data.mul_(20)  # spread the random logits: wide argmax margins
+    g = torch.Generator().manual_seed(7)
+    vocab = SMALL_GPT_OSS["vocab_size"]
+    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist()
+               for n in torch.randint(20, 300, (max(prompts_n, concurrency),), generator=g)]
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    def standard(batch: list[list[int]]) -> list[list[int]]:
+        engine = LLMEngine(core, SchedulerConfig(256, 4096, True))
+        for i, p in enumerate(batch):
+            engine.add_request(f"s{i}", p, params)
+        out: dict[str, list[int]] = {f"s{i}": [] for i in range(len(batch))}
+        while engine.has_unfinished():
+            for ch in engine.step():
+                out[ch.request_id] += ch.token_ids
+        assert core.allocator.num_free == core.allocator.num_blocks
+        return [out[f"s{i}"] for i in range(len(batch))]
+
+    together = standard(prompts[:prompts_n])
+    if S.device == "cuda":
+        lane = PersistentLane(core, CudaGraphBackend(core.model, torch.device("cuda"), core.config.max_model_len))
+    else:
+        from replicas.persistent.eager import EagerBackend
+
+        lane = PersistentLane(core, EagerBackend(core.model, S.device))
+    persistent = []
+    for i, p in enumerate(prompts[:prompts_n]):
+        persistent.append([t for ch in lane.generate(GenerateRequest(f"p{i}", p, params)) for t in ch.token_ids])
+    assert core.allocator.num_free == core.allocator.num_blocks
+    many = standard(prompts[:concurrency])
+    alone = [standard([p])[0] for p in prompts[:concurrency]]
+    graphs = core.runner.graphs
+    return {
+        "persistent_vs_standard": sum(a == b for a, b in zip(persistent, together, strict=True)),
+        "prompts": prompts_n,
+        "concurrent_vs_alone": sum(a == b for a, b in zip(many, alone, strict=True)),
+        "concurrency": concurrency,
+        "graph_buckets_used": sorted(graphs._graphs) if graphs else [],
+        "first_divergence": [next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+                             for a, b in zip(many, alone, strict=True) if a != b][:8],
+    }
+
+
+def part_lanes(rep: Report, args) -> None:
+    rows = []
+    n, tokens, c = S.lanes
+    for dtype in (torch.float32,) if S.smoke else (torch.float32, torch.bfloat16):
+        if rep.left() < 40:
+            rows.append([str(dtype), "skipped: time budget", "", "", ""])
+            continue
+        r = lanes_agreement(dtype, n, tokens, c)
+        rows.append([str(dtype).removeprefix("torch."), f"{r['persistent_vs_standard']}/{r['prompts']}",
+                     f"{r['concurrent_vs_alone']}/{r['concurrency']}", str(r["graph_buckets_used"]),
+                     str(r["first_divergence"])])
+    rep.table(f"Lane agreement: small random GPT-OSS (hidden 256, 16 experts, sinks, window), {tokens} greedy tokens",
+              ["dtype", f"persistent == standard ({n} prompts)", f"standard c={c} == one at a time",
+               "decode graph buckets used", "first differing token (c=64 vs alone)"], rows)
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def merge_docs(section_file: str) -> None:
+    """Replace (or append) this benchmark's section of ``docs/benchmarks.md`` with ``section_file``'s."""
+    text = Path(section_file).read_text()
+    start, end = f"<!-- {DOCS_MARKER}:start -->", f"<!-- {DOCS_MARKER}:end -->"
+    path = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+    doc = path.read_text()
+    if start in doc:
+        doc = doc[: doc.index(start)] + text.strip() + doc[doc.index(end) + len(end):]
+    else:
+        doc = doc.rstrip() + "\n\n" + text.strip() + "\n"
+    path.write_text(doc)
+    print(f"merged {section_file} into {path}")
+
+
+def main(argv: list[str] | None = None) -> Report | None:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_prefill_out"), help="results folder (default $OUT)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
+    p.add_argument("--skip", default="", help="sub-parts to leave out: sweep")
+    p.add_argument("--triton-kernels", help="folder holding OpenAI's triton_kernels package (vLLM's copy)")
+    p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new work after this many seconds")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--bandwidth-tbps", type=float, default=4.8, help="HBM bandwidth for the floors (H200: 4.8)")
+    p.add_argument("--tflops", type=float, default=790.0, help="dense bf16 TFLOP/s for the floors (H200, measured)")
+    p.add_argument("--merge-docs", help="only merge this benchmarks_section.md into docs/benchmarks.md")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, Triton's interpreter, tiny shapes: checks that the script runs (numbers meaningless)")
+    args = p.parse_args(argv)
+    if args.merge_docs:
+        merge_docs(args.merge_docs)
+        return None
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        S.make_smoke()
+        args.new_tokens = min(args.new_tokens, 4)
+    elif not torch.cuda.is_available():
+        raise SystemExit("ops.bench.prefill needs a CUDA GPU (or --smoke)")
+    rep = Report(Path(args.out), argv, args.budget_s)
+    runners = {"checks": part_checks, "kernels": part_kernels, "lanes": part_lanes, "tiles": part_tiles,
+               "gpt-oss-120b": lambda r, a: part_model(r, a, "gpt-oss-120b"),
+               "gpt-oss-20b": lambda r, a: part_model(r, a, "gpt-oss-20b")}
+    for part in [x.strip() for x in args.parts.split(",") if x.strip()]:
+        if part not in runners:
+            raise SystemExit(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
+        if rep.left() < 20:
+            rep.note(f"{part}: skipped", f"not started: {rep.left():.0f} s of the time budget left")
+            continue
+        t0 = time.perf_counter()
+        print(f"\n=== {part} ({rep.left():.0f} s left)", flush=True)
+        try:
+            runners[part](rep, args)
+        except Exception as exc:  # noqa: BLE001 - the other parts still run
+            rep.error(part, exc)
+        finally:
+            if S.device == "cuda":
+                torch.cuda.empty_cache()
+        print(f"=== {part} took {time.perf_counter() - t0:.0f} s", flush=True)
+    print("\n\n" + rep.markdown(), flush=True)
+    if rep.errors:
+        print(f"\n{len(rep.errors)} part(s) failed: see {rep.out / 'errors.txt'}", flush=True)
+    return rep
+
+
+if __name__ == "__main__":
+    main()

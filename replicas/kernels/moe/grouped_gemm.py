@@ -1,0 +1,393 @@
+"""Grouped MXFP4 MoE GEMMs on the tensor cores: prefill and batched decode of GPT-OSS's experts.
+
+For ``T`` tokens routed to ``K`` experts each, the ``P = T * K`` (token, expert)
+pairs are grouped by expert on the device (:func:`group_by_expert`: a stable
+sort of the expert ids, per-expert offsets, and a map from M-blocks of
+``BLOCK_M`` sorted pairs to their expert), so that one launch multiplies every
+expert's rows by that expert's weights (a ragged grouped GEMM, as in
+MegaBlocks, Gale et al. 2023, and vLLM's ``fused_moe``). Nothing is copied to
+the host: the grid is the static upper bound ``cdiv(P, BLOCK_M) + min(E, P)``
+of M-blocks, and programs past the last used block exit at once, so the same
+launches are CUDA-graph capturable at a fixed ``T``.
+
+Two launches per MoE layer:
+
+1. gate_up: ``h = clamped_swiglu(x W_gu[e]^T + b_gu[e])`` ``[P, I]`` (sorted
+   pair order) in the activations' dtype; the bias and GPT-OSS's clamped SwiGLU
+   (alpha 1.702, limit 7.0, gate and up rows interleaved: output column ``2j``
+   is gate ``j``, ``2j + 1`` up ``j``; transformers' ``GptOssExperts``) run in
+   the epilogue on the fp32 accumulator.
+2. down: ``y = (h W_d[e]^T + b_d[e]) * routing_weight`` written in fp32 per
+   pair, ``[T, K, hidden]``: the caller sums the ``K`` partials in a fixed
+   order (no atomics: deterministic), e.g. fused with the residual add and the
+   next RMSNorm.
+
+Weights stay packed MXFP4 (OCP Microscaling Formats v1.0, §5: 32 E2M1 codes
+share one E8M0 scale) and are decoded in the kernel, one 32-bit word (8 codes,
+code ``c`` in bits ``4c..4c+3``) at a time, from either layout the model holds:
+
+* the checkpoint's (``*_blocks`` uint8 ``[E, rows, G, 16]``, low nibble first):
+  each code's magnitude bits ``e1 e0 m`` are moved onto fp32's lowest exponent
+  bits and top mantissa bit, its sign onto bit 31, which reads as the E2M1 value
+  times ``2**-126`` (subnormal for the codes 0 and 0.5: exact);
+* :mod:`replicas.kernels.moe.decode_layout`'s bit layout (the experts are
+  repacked into it at load on Hopper): four masks and shifts per word give
+  four bf16x2 code pairs ``(p, p + 4)``, each half the value times ``2**-126``,
+  widened to fp32 by a shift or a mask.
+
+Then one multiply by ``2**(s - 65)`` (the E8M0 scale ``2**(s - 127)`` with the
+``2**126`` put back, and ``2**-64`` more so that the factor is a normal fp32
+number for every code ``s <= 192``; the accumulator is multiplied by ``2**64``
+once at the end) and a rounding to the activations' dtype. Both are exact (a
+power of two; an MXFP4 value has two significand bits) for every scale code
+``s >= 66``, i.e. down to weights of ``2**-62``; GPT-OSS's codes sit near 120.
+The tensor cores (``tl.dot``; every dimension at least 16) multiply bf16 (or,
+for fp32 models, IEEE fp32) operands with fp32 accumulation.
+
+Reference: :func:`replicas.kernels.moe.moe_reference` (each routed expert
+dequantized, dense GEMMs, the same math as transformers' ``GptOssExperts``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from replicas.kernels.moe import decode_layout as layout
+
+_PAIR_MASK = tl.constexpr(layout.PAIR_MASK)
+_PAIR3_MASK = tl.constexpr(layout.PAIR3_MASK)
+_SHIFT1 = tl.constexpr(layout.PAIR_SHIFTS[1])
+_SHIFT2 = tl.constexpr(layout.PAIR_SHIFTS[2])
+_MAG3_A = tl.constexpr(layout.PAIR3_MAGNITUDE_SHIFTS[0])
+_MAG3_B = tl.constexpr(layout.PAIR3_MAGNITUDE_SHIFTS[1])
+_SIGN3 = tl.constexpr(layout.PAIR3_SIGN_SHIFT)
+
+VALUES_PER_BLOCK = 32
+"""E2M1 values sharing one E8M0 scale (OCP MX v1.0, §5)."""
+
+ACC_SCALE = tl.constexpr(18446744073709551616.0)
+"""``2**64``: the decoded weights carry ``2**-64`` (see the module docstring); the accumulators get it back."""
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch's tile shape: ``BLOCK_M`` sorted pairs x ``BLOCK_N`` output columns, ``BLOCK_K`` inputs per
+    step (a multiple of 32, one E8M0 scale per 32), ``num_warps``, ``num_stages`` (software pipelining)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+TILES = {
+    16: TileConfig(16, 64, 128, 4, 3),
+    32: TileConfig(32, 64, 128, 4, 3),
+    64: TileConfig(64, 64, 128, 4, 3),
+    128: TileConfig(128, 128, 64, 8, 3),
+}
+"""Tile shape per ``BLOCK_M`` (chosen by :func:`pick_block_m` from the pairs per expert). Small M-blocks
+(decode batches, a few pairs per expert) are bound by reading and decoding the weights: wide K steps; large
+ones (long prompts) by the tensor cores. ``python -m ops.bench.prefill --parts tiles`` times alternatives."""
+
+TILE_OVERRIDES: dict[int, TileConfig] = {}
+"""Benchmark-only replacements of :data:`TILES` entries (``ops/bench/prefill.py`` sweeps a few)."""
+
+
+def pick_block_m(num_pairs: int, num_experts: int) -> int:
+    """``BLOCK_M``: a power of two (16..128: ``tl.dot`` needs 16, past 128 the tile no longer fits the
+    registers) at least the mean pairs per expert plus two standard deviations of a Poisson count
+    (``m + 2 sqrt(m)``), so that most experts fit one M-block and their weights are decoded once."""
+    mean = num_pairs / max(1, num_experts)
+    return min(128, max(16, triton.next_power_of_2(math.ceil(mean + 2 * math.sqrt(mean)))))
+
+
+def tile_config(block_m: int) -> TileConfig:
+    return TILE_OVERRIDES.get(block_m, TILES[block_m])
+
+
+@dataclass
+class ExpertGrouping:
+    """The ``P`` (token, expert) pairs sorted by expert, on the device (:func:`group_by_expert`).
+
+    Attributes:
+        order: ``[P]`` int32 pair indices (``token * K + slot``), grouped by expert, token order within one.
+        expert_start: ``[E + 1]`` int32 offsets of each expert's pairs in ``order``.
+        block_expert: ``[max_blocks]`` int32 expert of each ``BLOCK_M``-row block (``E``: unused block).
+        block_row: ``[max_blocks]`` int32 first row of each block in ``order``.
+        block_m: rows per block; max_blocks: the grid's static bound ``cdiv(P, BLOCK_M) + min(E, P)``.
+    """
+
+    order: torch.Tensor
+    expert_start: torch.Tensor
+    block_expert: torch.Tensor
+    block_row: torch.Tensor
+    block_m: int
+    max_blocks: int
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertGrouping:
+    """Group the pairs of ``ids`` ``[T, K]`` (int, expert ids) by expert, with device ops only (no host sync;
+    capturable). Counting is an integer scatter-add and the sort is stable: deterministic."""
+    flat = ids.reshape(-1)
+    p = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
+    order = torch.sort(flat, stable=True).indices.to(torch.int32)
+    expert_start = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(counts, 0, out=expert_start[1:])
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)  # [E] inclusive
+    max_blocks = -(-p // block_m) + min(num_experts, p)
+    b = torch.arange(max_blocks, device=dev)
+    block_expert = torch.searchsorted(block_end, b, right=True)  # [max_blocks]; E past the last block
+    e = block_expert.clamp(max=num_experts - 1)
+    block_row = expert_start[e] + (b - (block_end[e] - blocks[e])) * block_m
+    return ExpertGrouping(order, expert_start.to(torch.int32), block_expert.to(torch.int32),
+                          block_row.to(torch.int32), block_m, max_blocks)
+
+
+@triton.jit
+def _join8(t0, t1, t2, t3, t4, t5, t6, t7):
+    """Eight ``[R, W]`` tensors (the codes 0..7 of each word) → ``[R, W * 8]`` in code (= element) order."""
+    v = tl.join(tl.join(tl.join(t0, t4), tl.join(t2, t6)), tl.join(tl.join(t1, t5), tl.join(t3, t7)))
+    return tl.reshape(v, [t0.shape[0], t0.shape[1] * 8])
+
+
+@triton.jit
+def _code_f32(w, c: tl.constexpr):
+    """Code ``c`` of uint32 words ``w`` (checkpoint layout: bits ``4c..4c+3``) → fp32, the E2M1 value x 2**-126."""
+    mag = ((w >> (4 * c)) & 7) << 22
+    sign = ((w >> (4 * c)) & 8) << 28
+    return (mag | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pair_f32(pair):
+    """bf16x2 code-pair patterns (uint32) → (low code, high code) fp32, each the value x 2**-126."""
+    return (pair << 16).to(tl.float32, bitcast=True), (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decode_words(w, f, REPACKED: tl.constexpr):
+    """uint32 words ``[R, W]`` and their scale factors ``f`` ``[R, W]`` (``2**(s - 65)``) → the
+    ``[R, W * 8]`` fp32 weights times ``2**-64``, element order."""
+    if REPACKED:
+        v = w & _PAIR3_MASK
+        c0, c4 = _pair_f32(w & _PAIR_MASK)
+        c1, c5 = _pair_f32((w << _SHIFT1) & _PAIR_MASK)
+        c2, c6 = _pair_f32((w << _SHIFT2) & _PAIR_MASK)
+        c3, c7 = _pair_f32(((v >> _MAG3_A) | (v >> _MAG3_B) | (v << _SIGN3)) & _PAIR_MASK)
+    else:
+        c0 = _code_f32(w, 0)
+        c1 = _code_f32(w, 1)
+        c2 = _code_f32(w, 2)
+        c3 = _code_f32(w, 3)
+        c4 = _code_f32(w, 4)
+        c5 = _code_f32(w, 5)
+        c6 = _code_f32(w, 6)
+        c7 = _code_f32(w, 7)
+    return _join8(c0 * f, c1 * f, c2 * f, c3 * f, c4 * f, c5 * f, c6 * f, c7 * f)
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, N, KDIM: tl.constexpr, BLOCK_K: tl.constexpr,
+                 REPACKED: tl.constexpr):
+    """Rows ``n`` ``[BLOCK_N]`` of expert ``e``'s packed ``[N, KDIM]`` matrix, inputs ``k0 .. k0 + BLOCK_K``:
+    ``[BLOCK_N, BLOCK_K]`` fp32 times ``2**-64`` (:data:`ACC_SCALE` puts it back; 0 past ``KDIM`` or for rows
+    not ``n_ok``)."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    GROUPS: tl.constexpr = KDIM // 32
+    word = tl.arange(0, WORDS)
+    ok = n_ok[:, None] & ((k0 + word * 8) < KDIM)[None, :]
+    row = e.to(tl.int64) * N + n  # [BLOCK_N]
+    w = tl.load(w_ptr + row[:, None] * (KDIM // 8) + (k0 // 8 + word)[None, :], mask=ok, other=0)
+    s = tl.load(s_ptr + row[:, None] * GROUPS + (k0 // 32 + word // 4)[None, :], mask=ok, other=127)
+    f = ((s.to(tl.int32) + (127 - 65)) << 23).to(tl.float32, bitcast=True)  # 2**(s - 65)
+    return _decode_words(w.to(tl.uint32, bitcast=True), f, REPACKED)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr, b_ptr, h_ptr,
+                    alpha, limit, stride_x, N, E, TOP_K: tl.constexpr, KDIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    REPACKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid ``(max_blocks, cdiv(2I, BLOCK_N))``: ``h[rows, cols] = swiglu(x[token(rows)] W^T + b)``, ``N = 2I``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= E:
+        return
+    row0 = tl.load(block_row_ptr + pid_m)
+    row_end = tl.load(expert_start_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    r_ok = rows < row_end
+    pair = tl.load(order_ptr + rows, mask=r_ok, other=0)
+    tok = (pair // TOP_K).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, KDIM, BLOCK_K):
+        x = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + offs_k)[None, :],
+                    mask=r_ok[:, None] & ((k0 + offs_k) < KDIM)[None, :], other=0.0)
+        w = _weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, N, KDIM, BLOCK_K, REPACKED)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
+    acc = acc * ACC_SCALE + tl.load(b_ptr + e.to(tl.int64) * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * (N // 2) + cols[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (cols < N // 2)[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr, b_ptr, rw_ptr,
+                 y_ptr, N, E, KDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, REPACKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid ``(max_blocks, cdiv(hidden, BLOCK_N))``: ``y[pair] = (h[rows] W^T + b) * route_weight[pair]`` fp32,
+    ``N = hidden``, ``KDIM = I``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= E:
+        return
+    row0 = tl.load(block_row_ptr + pid_m)
+    row_end = tl.load(expert_start_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    r_ok = rows < row_end
+    pair = tl.load(order_ptr + rows, mask=r_ok, other=0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, KDIM, BLOCK_K):
+        a = tl.load(h_ptr + rows.to(tl.int64)[:, None] * KDIM + (k0 + offs_k)[None, :],
+                    mask=r_ok[:, None] & ((k0 + offs_k) < KDIM)[None, :], other=0.0)
+        w = _weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, N, KDIM, BLOCK_K, REPACKED)
+        acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=PRECISION)
+    acc = acc * ACC_SCALE + tl.load(b_ptr + e.to(tl.int64) * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    rw = tl.load(rw_ptr + pair, mask=r_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + pair[:, None] * N + n[None, :], acc * rw[:, None], mask=r_ok[:, None] & n_ok[None, :])
+
+
+_ONE_STAGE: set[tuple[str, int]] = set()
+"""(kernel, BLOCK_M) whose tile did not fit the GPU's shared memory with :class:`TileConfig`'s stages: launched
+with one stage from then on."""
+
+
+def _launch(kernel, grid, args: tuple, block_m: int, cfg: TileConfig, **meta) -> None:
+    """``kernel[grid](*args, **meta)`` with ``cfg``'s warps and stages; a tile that runs out of shared memory
+    (``OutOfResources`` at compile time) is retried, and then always run, without software pipelining."""
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), block_m)
+    stages = 1 if key in _ONE_STAGE else cfg.num_stages
+    try:
+        kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=stages)
+    except OutOfResources:
+        if stages == 1:
+            raise
+        _ONE_STAGE.add(key)
+        kernel[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=1)
+
+
+def _words(blocks: torch.Tensor) -> torch.Tensor:
+    if blocks.dtype != torch.uint8 or blocks.shape[-1] != 16 or not blocks.is_contiguous():
+        raise ValueError(f"expected contiguous uint8 MXFP4 blocks [E, rows, G, 16], got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    return blocks.view(torch.int32)
+
+
+def grouped_moe_partials(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
+    down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
+    alpha: float, limit: float, *, repacked: bool = False, grouping: ExpertGrouping | None = None,
+) -> torch.Tensor:
+    """Every pair's weighted expert output: ``[T, K, hidden]`` fp32, ``sum(1)`` of which is the MoE layer.
+
+    Args:
+        x: ``[T, hidden]`` bf16/fp16/fp32 activations (rows contiguous).
+        weights, ids: routing ``[T, K]`` (weights in any float dtype, ids int).
+        gate_up_blocks / gate_up_scales: uint8 ``[E, 2I, hidden/32, 16]`` / ``[E, 2I, hidden/32]``;
+            gate_up_bias ``[E, 2I]``. down_blocks / down_scales: uint8 ``[E, hidden, I/32, 16]`` /
+            ``[E, hidden, I/32]``; down_bias ``[E, hidden]``.
+        alpha, limit: the clamped SwiGLU's constants (GPT-OSS: 1.702, 7.0).
+        repacked: the blocks are in :mod:`replicas.kernels.moe.decode_layout`'s layout.
+        grouping: :func:`group_by_expert` of ``ids`` when the caller has it.
+
+    Returns:
+        ``[T, K, hidden]`` fp32 partials (pair ``(t, k)``: ``weights[t, k] * expert_{ids[t, k]}(x[t])``).
+
+    Raises:
+        ValueError: packed tensors not contiguous uint8 ``[..., 16]``, or widths not multiples of 32.
+    """
+    t, hidden = x.shape
+    top_k = ids.shape[1]
+    num_experts, two_i = gate_up_blocks.shape[:2]
+    inter = two_i // 2
+    if hidden % VALUES_PER_BLOCK or inter % VALUES_PER_BLOCK:
+        raise ValueError(f"hidden ({hidden}) and expert width ({inter}) must be multiples of {VALUES_PER_BLOCK}")
+    gu_words, d_words = _words(gate_up_blocks), _words(down_blocks)
+    x = x.contiguous()
+    p = t * top_k
+    y = torch.empty(t, top_k, hidden, dtype=torch.float32, device=x.device)
+    if p == 0:
+        return y
+    block_m = grouping.block_m if grouping is not None else pick_block_m(p, num_experts)
+    g = grouping or group_by_expert(ids, num_experts, block_m)
+    cfg = tile_config(block_m)
+    precision = "ieee" if x.dtype == torch.float32 else None
+    h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
+    _launch(_gate_up_kernel, (g.max_blocks, triton.cdiv(two_i, cfg.block_n)),
+            (x, g.order, g.block_expert, g.block_row, g.expert_start, gu_words, gate_up_scales, gate_up_bias, h,
+             float(alpha), float(limit), x.stride(0), two_i, num_experts), block_m, cfg,
+            TOP_K=top_k, KDIM=hidden, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            REPACKED=repacked, PRECISION=precision)
+    _launch(_down_kernel, (g.max_blocks, triton.cdiv(hidden, cfg.block_n)),
+            (h, g.order, g.block_expert, g.block_row, g.expert_start, d_words, down_scales, down_bias,
+             weights.reshape(-1).contiguous(), y, hidden, num_experts), block_m, cfg,
+            KDIM=inter, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, REPACKED=repacked,
+            PRECISION=precision)
+    return y
+
+
+def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *packed, repacked: bool = False,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE layer ``[T, hidden]`` in ``x.dtype``: :func:`grouped_moe_partials` summed over the ``K`` experts
+    in slot order (fp32), plus ``residual`` when given. ``packed``: the six packed tensors, alpha, limit."""
+    out = grouped_moe_partials(x, weights, ids, *packed, repacked=repacked).sum(1)
+    if residual is not None:
+        out = out + residual.float()
+    return out.to(x.dtype)
+
+
+def expert_bytes(num_experts_read: int, hidden: int, inter: int) -> int:
+    """Packed bytes of ``num_experts_read`` experts' two matrices (4.25 bits per weight) plus bf16 biases."""
+    per = (2 * inter * hidden + hidden * inter) * 17 // 32 + (2 * inter + hidden) * 2
+    return num_experts_read * per
+
+
+def _packed_of(experts) -> tuple:
+    return (experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.gate_up_proj_bias,
+            experts.down_proj_blocks, experts.down_proj_scales, experts.down_proj_bias, experts.alpha, experts.limit)
+
+
+def experts_partials(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
+    """:func:`grouped_moe_partials` for an experts module with GPT-OSS's buffer names (``*_blocks``,
+    ``*_scales``, ``*_bias``, ``alpha``, ``limit``; ``decode_layout`` True when repacked at load)."""
+    return grouped_moe_partials(x, weights, ids, *_packed_of(experts), repacked=getattr(experts, "decode_layout", False))
+
+
+def experts_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
+    """:func:`grouped_moe` for an experts module (see :func:`experts_partials`): ``[T, hidden]`` in ``x.dtype``."""
+    return grouped_moe(x, weights, ids, *_packed_of(experts), repacked=getattr(experts, "decode_layout", False))
