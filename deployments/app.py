@@ -2,7 +2,8 @@
 
 ``serve run deployments.app:app`` serves the embedded default model with
 ``--persistent-decoder auto``; ``serve run deployments.app:build_app
-persistent-decoder=off model=/path/to/hf-dir`` passes arguments.
+persistent-decoder=off model=/path/to/hf-dir`` passes arguments; ``colocated=true`` deploys one
+co-located pool (both lanes per replica) instead of the two pools.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from ray.serve import Application
 from deployments.config import AppConfig
 from deployments.ingress import OpenAIIngress
 from deployments.pools import PoolConfig
-from deployments.replicas import PersistentReplica, StandardReplica
+from deployments.replicas import ColocatedReplica, PersistentReplica, StandardReplica
 
 REPLICA_CPUS = 0.05
 """CPUs of a replica's own bundle (the thin async shell; the engine actor has bundle 1)."""
@@ -22,13 +23,16 @@ INGRESS_HEALTH_CHECK_S = 2.0
 replaced, this much sooner (docs/reliability.md). Its check is Serve's no-op, so it costs nothing."""
 
 
-def _pool(deployment, config: AppConfig, pool: PoolConfig):
+def _pool(deployment, config: AppConfig, pool: PoolConfig, extra_ongoing: int = 0):
     """One lane's deployment: the pool's Serve/autoscaling options, one placement group per replica
-    (bundle 0: the replica shell; bundle 1: its engine actor with the pool's GPUs)."""
+    (bundle 0: the replica shell; bundle 1: its engine actor with the pool's GPUs). ``extra_ongoing``
+    requests are added to the pool's ``max_ongoing_requests`` (the co-located persistent lane's one)."""
     gpus = config.gpus_per_engine(pool)
     engine_bundle = pool.engine_bundle(config.engine_num_cpus, gpus)
+    options = pool.serve_options()
+    options["max_ongoing_requests"] += extra_ongoing
     return deployment.options(
-        **pool.serve_options(),
+        **options,
         ray_actor_options={"num_cpus": REPLICA_CPUS},
         placement_group_bundles=[{"CPU": REPLICA_CPUS}, engine_bundle],
         placement_group_strategy="STRICT_PACK",
@@ -42,6 +46,9 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
         pydantic.ValidationError: bad arguments (e.g. ``required`` with a missing checkpoint).
     """
     config = args if isinstance(args, AppConfig) else AppConfig.from_args(args)
+    if config.colocated_enabled:  # one deployment, both lanes: the router calls its two entries
+        both = _pool(ColocatedReplica, config, config.standard_pool, extra_ongoing=1)
+        return OpenAIIngress.options(ray_actor_options={"num_cpus": REPLICA_CPUS}).bind(config, both, both)
     standard = _pool(StandardReplica, config, config.standard_pool)
     persistent = _pool(PersistentReplica, config, config.persistent_pool) if config.persistent_enabled else None
     return OpenAIIngress.options(ray_actor_options={"num_cpus": REPLICA_CPUS},

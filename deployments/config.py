@@ -57,8 +57,17 @@ class AppConfig(BaseModel):
         default_factory=standard_pool_defaults, description="Serve/autoscaling options of the standard pool."
     )
     spillover_wait_s: float = Field(
-        0.5, ge=0, description="auto/required: how long an eligible request waits for a free persistent replica "
-        "before it goes to the standard lane (reason persistent_capacity).",
+        0.5, ge=0, description="auto/required: the longest an eligible request waits for a persistent replica "
+        "(a dispatch to a replica believed free, or a wait the router's estimates justify: docs/architecture.md, "
+        "Spillover) before it goes to the standard lane (reason persistent_capacity). With every persistent "
+        "replica busy and none about to free up, it goes standard at once.",
+    )
+    colocated: bool = Field(
+        False, description="One replica per GPU hosting both lanes over one copy of the weights and one KV page "
+        "pool (for a single GPU, or a model too large for two copies): the router still picks the lane per "
+        "request and the engine runs standard steps and persistent quanta in turn. The co-located pool takes "
+        "the standard_pool options (one more ongoing request, for the persistent lane); persistent_pool is "
+        "unused. Needs persistent-decoder auto or required (off deploys the standard pool alone).",
     )
     persistent_fault_injection: FaultInjection | None = Field(
         None, description="Tests only: make the persistent backend fail on purpose. Off by default.",
@@ -103,7 +112,7 @@ class AppConfig(BaseModel):
     def _check(self) -> AppConfig:
         if self.standard_pool.max_replicas < 1:
             raise ValueError("the standard pool needs at least one replica (max_replicas >= 1)")
-        if self.persistent_decoder is Mode.REQUIRED and self.persistent_pool.max_replicas < 1:
+        if self.persistent_decoder is Mode.REQUIRED and self.persistent_pool.max_replicas < 1 and not self.colocated:
             raise ValueError("persistent-decoder=required needs at least one persistent replica")
         ckpt = self.persistent_decoder_checkpoint
         if self.persistent_decoder is Mode.REQUIRED and ckpt is not None:
@@ -118,7 +127,14 @@ class AppConfig(BaseModel):
 
     @property
     def persistent_enabled(self) -> bool:
+        if self.colocated:
+            return self.persistent_decoder is not Mode.OFF
         return self.persistent_decoder is not Mode.OFF and self.persistent_pool.max_replicas > 0
+
+    @property
+    def colocated_enabled(self) -> bool:
+        """Both lanes in one co-located deployment (``colocated`` with the persistent decoder on)."""
+        return self.colocated and self.persistent_decoder is not Mode.OFF
 
     def gpus_per_engine(self, pool: PoolConfig | None = None) -> float:
         """GPUs for one engine actor of ``pool``: the pool's ``num_gpus``, else ``engine_num_gpus``,

@@ -122,6 +122,16 @@ def _pool_totals(engines: list[dict]) -> dict:
     return {**totals, "replicas": len(engines), "engines": engines}
 
 
+def _colocated_totals(engines: list[dict]) -> dict:
+    """The co-located pool for ``/debug/stats``: the shared page pools summed, and per lane its pages in
+    use and requests summed over the engines (``lanes``)."""
+    out = _pool_totals(engines)
+    out["lanes"] = {lane: {key: sum(int(e["lanes"][lane].get(key, 0)) for e in engines)
+                           for key in ("kv_pages_in_use", "running", "waiting")}
+                    for lane in ("standard", "persistent")}
+    return out
+
+
 async def _traced(stream, span, owned: bool = True):
     """Pass ``stream`` through; end the HTTP ``span`` (with lane and usage) when it ends or is closed.
 
@@ -174,19 +184,27 @@ class OpenAIIngress:
         model_dir = resolve_model(config.engine.model, progress=False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.token_text = TokenText(self.tokenizer)
+        self.app_name = serve.get_replica_context().app_name
         self.encoder = ClientTextEncoder(self.tokenizer, config.security.allow_special_tokens)
         self.guard = RequestGuard(config.security, config.limits, self.max_model_len)
         self.chat_planner = ChatPlanner(self.tokenizer, model_dir, config.harmony_start_date, encoder=self.encoder)
         self.router = Router(
             config.persistent_decoder, persistent if config.persistent_enabled else None, standard,
-            self.max_model_len, config.spillover_wait_s,
+            self.max_model_len, config.spillover_wait_s, app_name=self.app_name,
+            colocated=config.colocated_enabled,
+            wait_for_persistent=config.colocated_enabled or config.persistent_pool.min_replicas > 0,
         )
         self.persistent, self.standard = persistent, standard
-        self.app_name = serve.get_replica_context().app_name
 
     # ---- endpoints -------------------------------------------------------------------------
     @api.get("/health")
     async def health(self):
+        """200 once the router has reached every pool it routes to; until then 503 naming the missing ones."""
+        missing = await self.router.missing_pools()
+        if missing:
+            return JSONResponse({"status": "starting", "missing": missing,
+                                 "message": f"waiting for the {' and '.join(missing)} pool to answer"},
+                                status_code=503, headers={"retry-after": "1"})
         return {"status": "ok"}
 
     @api.get("/v1/models")
@@ -203,8 +221,11 @@ class OpenAIIngress:
         ``kv_pages_free == kv_pages_total`` for each lane when no request is in flight; anything
         else once traffic has stopped is a leak (the reliability tests read exactly this).
         """
-        out = {"standard": _pool_totals(await engine_actor_stats("standard", self.app_name))}
-        if self.router.persistent is not None:
+        if self.router.colocated:
+            out = {"colocated": _colocated_totals(await engine_actor_stats("colocated", self.app_name))}
+        else:
+            out = {"standard": _pool_totals(await engine_actor_stats("standard", self.app_name))}
+        if self.router.persistent is not None and not self.router.colocated:
             out["persistent"] = _pool_totals(await engine_actor_stats("persistent", self.app_name))
         out["router"] = self.router.stats()
         out["ingress"] = self.chat_planner.describe()

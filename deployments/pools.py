@@ -10,15 +10,20 @@ meaning are Ray Serve's (``ray.serve.config.AutoscalingConfig`` and
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from deployments.autoscaling import POLICY_PATH
 
 
 class PoolConfig(BaseModel):
     """Serve options of one lane's pool (one replica = one engine = one GPU on GPU machines).
 
     ``min_replicas == max_replicas`` gives a fixed-size pool (no autoscaling
-    config is passed to Serve); otherwise Serve's default autoscaling policy
-    keeps ``ongoing requests / replica`` near ``target_ongoing_requests``.
+    config is passed to Serve); otherwise the pool's ``autoscaling_metric`` per replica
+    is kept near ``target_ongoing_requests``: Serve's ongoing requests (its default
+    policy), or the eligible demand (``deployments.autoscaling``, the persistent pool's default).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -41,6 +46,12 @@ class PoolConfig(BaseModel):
     look_back_period_s: float = Field(30.0, gt=0, description="Window averaged for the autoscaling decision.")
     metrics_interval_s: float = Field(10.0, gt=0, description="How often replicas/handles report load.")
     health_check_period_s: float = Field(10.0, gt=0, description="Seconds between replica health checks.")
+    autoscaling_metric: Literal["ongoing_requests", "eligible_demand"] = Field(
+        "ongoing_requests", description="What the pool scales on: ongoing_requests (Serve's default policy: "
+        "requests running and queued at its replicas) or eligible_demand (persistent requests running plus "
+        "eligible requests spilled to the standard lane for capacity: the persistent pool's default, since "
+        "the router does not queue eligible requests behind busy replicas).",
+    )
     num_gpus: float | None = Field(
         None, ge=0, description="GPUs per engine of this pool (default: the app's engine_num_gpus rule)."
     )
@@ -82,6 +93,8 @@ class PoolConfig(BaseModel):
             "look_back_period_s": self.look_back_period_s,
             "metrics_interval_s": self.metrics_interval_s,
         }
+        if self.autoscaling_metric == "eligible_demand":
+            opts["autoscaling_config"]["policy"] = {"policy_function": POLICY_PATH}
         return opts
 
     def engine_bundle(self, num_cpus: float, num_gpus: float) -> dict:
@@ -99,8 +112,9 @@ ACCELERATOR_SHARE = 0.001
 
 
 def persistent_pool_defaults() -> PoolConfig:
-    """Batch one: one request per replica, autoscaling target 1."""
-    return PoolConfig(max_ongoing_requests=1, target_ongoing_requests=1.0, health_check_period_s=5.0)
+    """Batch one: one request per replica, autoscaling target 1 on the eligible demand."""
+    return PoolConfig(max_ongoing_requests=1, target_ongoing_requests=1.0, health_check_period_s=5.0,
+                      autoscaling_metric="eligible_demand")
 
 
 def standard_pool_defaults() -> PoolConfig:

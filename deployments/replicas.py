@@ -1,4 +1,5 @@
-"""``PersistentReplica`` and ``StandardReplica``: Serve deployments wrapping an engine actor.
+"""``PersistentReplica``, ``StandardReplica`` and ``ColocatedReplica``: Serve deployments wrapping an
+engine actor.
 
 Each replica is a thin async shell. Its engine (model, KV cache, lane) lives in
 a Ray actor created in bundle 1 of the replica's own placement group, so one
@@ -18,12 +19,22 @@ stays dead, the health check fails and Serve replaces the replica.
 When the ingress replica reading a stream dies, nothing tells the replica (Ray does not
 cancel a streaming call whose caller died), so each replica polls the callers it streams to
 (``CALLER_CHECK_S``) and cancels the engine work of a dead one's requests, freeing their pages.
+
+``ColocatedReplica`` (``colocated=true``) hosts both lanes over one engine (one copy of the
+weights, one KV page pool): ``generate`` is its standard entry, ``generate_persistent`` its
+persistent one. After a persistent failure it keeps serving the standard lane and fails its health
+check once that lane is idle, or ``COLOCATED_DRAIN_S`` after the failure, whichever comes first.
+
+Persistent replicas report ``eligible_demand`` to Serve's autoscaler (``record_autoscaling_stats``):
+the persistent requests running plus the eligible requests the routers spilled to the standard lane
+(``deployments.autoscaling`` scales the pool on it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 
 import ray
@@ -54,12 +65,17 @@ CALLER_CHECK_S = 2.0
 """How often a replica checks that the ingress replicas it streams to are alive; the engine work of a
 dead one's requests is cancelled (their pages freed) within about this long."""
 
-STATS_TIMEOUT_S = 2.0
-"""``/debug/stats`` skips an engine that does not answer this fast (dead or restarting)."""
-
 ENGINE_ACTOR_PREFIX = "persistent-serve-engine-"
 """Engine actors are named ``<prefix><lane>-<id>@<app>`` so operators, benchmarks and the
 ingress's ``/debug/stats`` can find them (see :func:`engine_actor_stats`)."""
+
+
+STATS_TIMEOUT_S = 1.0
+"""How long ``/debug/stats``, the autoscaling metric and the router's pool reads wait for one engine's
+stats; one that does not answer this fast (dead, restarting, or still loading its model) is left out."""
+COLOCATED_DRAIN_S = 30.0
+"""A co-located replica whose persistent decoder failed fails its health check (so Serve replaces it)
+once its standard lane is idle, or this many seconds after the failure."""
 
 
 def engine_actor_name(lane: str, app: str) -> str:
@@ -80,16 +96,18 @@ def _live_engine_actors(lane: str, app: str) -> list:
     return out
 
 
-async def engine_actor_stats(lane: str, app: str) -> list[dict]:
+async def engine_actor_stats(lane: str, app: str, timeout_s: float = STATS_TIMEOUT_S) -> list[dict]:
     """``stats()`` of every live engine actor of ``lane`` in ``app``, read from the actors directly.
 
     Not through the Serve handle: a persistent replica holds one request at a
     time (``max_ongoing_requests=1``), so a stats call would queue behind it.
+    An actor dying meanwhile is skipped, and so is one that does not answer within
+    ``timeout_s`` seconds (an engine still loading its model answers only once loaded).
     """
     actors = await asyncio.to_thread(_live_engine_actors, lane, app)
-    results = await asyncio.gather(*(asyncio.wait_for(_ask_stats(a), STATS_TIMEOUT_S) for a in actors),
+    results = await asyncio.gather(*(asyncio.wait_for(_ask_stats(a), timeout_s) for a in actors),
                                    return_exceptions=True)
-    return [r for r in results if isinstance(r, dict)]  # a dead or restarting actor is skipped
+    return [r for r in results if isinstance(r, dict)]  # a dead, restarting or loading actor is skipped
 
 
 async def _ask_stats(actor) -> dict:
@@ -166,15 +184,20 @@ class _EngineReplica:
         request ends with a :class:`GenerationError` (reason ``engine_died``); while the engine
         restarts, a persistent replica answers :class:`Rejection` (``decoder_unhealthy``).
         """
-        if self.lane == "persistent":
+        async for item in self._stream(g, self.lane if self.lane != "colocated" else "standard"):
+            yield item
+
+    async def _stream(self, g: GenerateRequest, lane: str):
+        if lane == "persistent":
             yield Started(g.request_id)
             if self._engine_down:
                 yield Rejection(g.request_id, "decoder_unhealthy", detail="the engine is restarting")
                 return
         span = get_tracer().start_span(SPAN_REPLICA, context=extract_context(g.trace_context),
-                                       attributes={ATTR_LANE: self.lane, ATTR_REQUEST_ID: g.request_id})
+                                       attributes={ATTR_LANE: lane, ATTR_REQUEST_ID: g.request_id})
         caller, g = g.caller, dataclasses.replace(g, trace_context=inject_context(span), caller=None)
-        stream = self.actor.generate.options(num_returns="streaming").remote(g)
+        args = (g, lane) if self.lane == "colocated" else (g,)
+        stream = self.actor.generate.options(num_returns="streaming").remote(*args)
         if caller is not None:
             self._watch_caller(caller, g.request_id, stream)
         finished = False
@@ -191,8 +214,8 @@ class _EngineReplica:
             finished = True
             self._engine_died()
             span.set_attribute("error.type", ENGINE_DIED)
-            yield GenerationError(g.request_id, f"the {self.lane} engine serving this request died ({type(exc).__name__}); "
-                                  "the request was lost, retry it", self.lane, "postlaunch", ENGINE_DIED)
+            yield GenerationError(g.request_id, f"the {lane} engine serving this request died ({type(exc).__name__}); "
+                                  "the request was lost, retry it", lane, "postlaunch", ENGINE_DIED)
         finally:
             span.end()
             self._orphaned.discard(g.request_id)
@@ -200,6 +223,10 @@ class _EngineReplica:
                 self._callers[caller[0]]["streams"].pop(g.request_id, None)
             if not finished:  # the caller went away (client disconnect): stop the actor's work too
                 ray.cancel(stream)
+
+    async def ping(self) -> dict:
+        """A cheap round trip (the router's readiness probe): the lane this replica serves."""
+        return {"lane": self.lane}
 
     async def stats(self) -> dict:
         """The engine's stats plus where it runs: the replica's and the actor's placement groups."""
@@ -216,11 +243,26 @@ class _EngineReplica:
             raise RuntimeError(f"persistent decoder unhealthy: {stats.get('unhealthy_reason')}")
 
 
+async def eligible_demand(app: str) -> float:
+    """Eligible requests of ``app`` now: persistent requests running plus requests spilled to the standard
+    lane for capacity (read from the engines directly, as ``/debug/stats`` does)."""
+    persistent, standard = await asyncio.gather(engine_actor_stats("persistent", app, STATS_TIMEOUT_S),
+                                                engine_actor_stats("standard", app, STATS_TIMEOUT_S))
+    return float(sum(int(e.get("running", 0)) for e in persistent)
+                 + sum(int(e.get("spilled_running", 0)) for e in standard))
+
+
 @serve.deployment(name="PersistentReplica", max_ongoing_requests=1, health_check_period_s=5)
 class PersistentReplica(_EngineReplica):
     """Batch-one greedy decoding in quanta (the persistent lane)."""
 
     lane = "persistent"
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metric ``eligible_demand`` (read by ``deployments.autoscaling``)."""
+        from deployments.autoscaling import ELIGIBLE_DEMAND
+
+        return {ELIGIBLE_DEMAND: await eligible_demand(serve.get_replica_context().app_name)}
 
 
 @serve.deployment(name="StandardReplica", max_ongoing_requests=64, health_check_period_s=10)
@@ -228,3 +270,31 @@ class StandardReplica(_EngineReplica):
     """Continuous batching for everything else (the standard lane)."""
 
     lane = "standard"
+
+
+@serve.deployment(name="ColocatedReplica", max_ongoing_requests=65, health_check_period_s=5)
+class ColocatedReplica(_EngineReplica):
+    """Both lanes over one engine (one copy of the weights, one KV page pool): one replica per GPU."""
+
+    lane = "colocated"
+
+    def __init__(self, config, engine_num_cpus: float, engine_num_gpus: float):
+        super().__init__(config, engine_num_cpus, engine_num_gpus)
+        self._unhealthy_since: float | None = None
+
+    async def generate_persistent(self, g: GenerateRequest):
+        """The persistent entry: :class:`Started`, then the persistent lane's events for ``g`` (a busy lane
+        answers at once with a ``queued_work`` rejection: the router spills it)."""
+        async for item in self._stream(g, "persistent"):
+            yield item
+
+    async def check_health(self) -> None:
+        stats = await self.actor.stats.remote()
+        if not stats.get("backend") or stats.get("decoder_healthy", True):
+            self._unhealthy_since = None
+            return
+        now = time.monotonic()
+        self._unhealthy_since = self._unhealthy_since or now
+        standard = stats["lanes"]["standard"]
+        if standard["running"] + standard["waiting"] == 0 or now - self._unhealthy_since >= COLOCATED_DRAIN_S:
+            raise RuntimeError(f"persistent decoder unhealthy: {stats.get('unhealthy_reason')}")

@@ -13,12 +13,24 @@ A client may force the lane (``GenerateRequest.lane_override``, from the
 fallback; ``persistent`` is the normal choice (the response's ``x-lane`` says
 where it ran).
 
-Spillover: an eligible request is queued on the persistent pool (Serve holds
-it until a replica, ``max_ongoing_requests=1``, is free; that queue is what
-the pool autoscales on). If no replica takes it within ``spillover_wait_s``,
-or Serve's ``max_queued_requests`` refuses it, it goes to the standard lane
-with reason ``persistent_capacity``: a ``fallback`` span and the counter
-``persistent_serve_spillovers_total``.
+Spillover (``policy.spillover``): the router counts the persistent requests it has in flight
+(dispatches included) against the persistent replicas it last saw (it reads their engines every
+``POOL_REFRESH_S``). With a replica free, an eligible request is dispatched there (bounded by
+``spillover_wait_s``). With every replica busy it goes standard at once, unless its estimates say a
+persistent replica frees up and gives the first token sooner than the standard lane would; then it
+waits at most that long. Either way a spill is reason ``persistent_capacity``: a ``fallback`` span
+and the counter ``persistent_serve_spillovers_total``; the standard lane marks such requests
+(``GenerateRequest.spilled``) so the persistent pool's autoscaling policy counts them as demand
+(``deployments.autoscaling``). An empty persistent pool (scaled to zero) is still queued on for up
+to ``spillover_wait_s``, so Serve's queue wakes it.
+
+Readiness: :meth:`Router.missing_pools` names the pools the router has not reached yet (one real
+call through each handle, which also resolves the handle's replicas); ``/health`` answers 503 until
+it is empty.
+
+Co-located mode: one deployment hosts both lanes; the router sends persistent traffic to its
+``generate_persistent`` entry and standard traffic to its ``generate`` entry (same handle). A busy
+co-located persistent lane answers at once with a ``queued_work`` rejection, which is a spill.
 
 Failures: a replica that dies under a request (the handle raises) ends that request's
 stream with a ``GenerationError`` (``replica_died``) rather than an exception, so the
@@ -63,6 +75,7 @@ from policy import (
     check_admission,
     choose_lane,
 )
+from policy.spillover import SpilloverEstimator
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection, Started
 
 logger = logging.getLogger(__name__)
@@ -82,6 +95,11 @@ reached the client (nothing was delivered, so the client cannot tell). Never aft
 
 _REPLICA_FAILURES = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
 
+POOL_REFRESH_S = 1.0
+"""Seconds between the router's reads of the persistent engines (replica count, busy, healthy)."""
+READY_PROBE_TIMEOUT_S = 2.0
+"""How long one readiness probe (a ``ping`` through a pool's handle) may take; past it ``/health`` answers
+503 and the next call probes again."""
 UNHEALTHY_RETRY_S = 5.0
 """After a replica reports an unhealthy or unusable decoder, skip the persistent lane this long
 (Serve replaces an unhealthy replica meanwhile), then try it again."""
@@ -93,7 +111,7 @@ def spillover_counter():
 
     return Counter("persistent_serve_spillovers_total",
                    description="Eligible requests sent to the standard lane because every persistent "
-                   "replica stayed busy for spillover_wait_s.", tag_keys=("reason",))
+                   "replica was busy.", tag_keys=("reason",))
 
 
 class Router:
@@ -101,33 +119,50 @@ class Router:
 
     Args:
         mode: persistent-decoder mode.
-        persistent: Serve handle of the persistent deployment (None when off).
-        standard: Serve handle of the standard deployment.
+        persistent: Serve handle of the persistent deployment (None when off); in co-located mode the
+            co-located deployment's handle.
+        standard: Serve handle of the standard deployment (co-located: the same handle).
         max_model_len: context limit used for admission.
-        spillover_wait_s: how long an eligible request waits for a persistent
-            replica to take it (Serve queues it meanwhile, which is also the
-            demand signal the pool autoscales on) before it spills to the
-            standard lane with reason ``persistent_capacity``.
+        spillover_wait_s: the longest an eligible request waits for a persistent replica to take it
+            (a dispatch to a replica believed free, or a wait the estimates justify); past it, it
+            spills to the standard lane with reason ``persistent_capacity``.
+        app_name: the Serve application, to find the persistent engines (None: never read them; the
+            router then treats a replica as free unless its own requests fill it).
+        colocated: both lanes in one deployment (``generate_persistent`` / ``generate`` entries).
+        wait_for_persistent: readiness needs the persistent pool too (False when it may have no replica).
     """
 
-    def __init__(self, mode: Mode, persistent, standard, max_model_len: int, spillover_wait_s: float = 0.5):
+    def __init__(self, mode: Mode, persistent, standard, max_model_len: int, spillover_wait_s: float = 0.5,
+                 app_name: str | None = None, colocated: bool = False, wait_for_persistent: bool = True):
         self.mode = mode
         self.persistent = persistent
         self.standard = standard
         self.max_model_len = max_model_len
         self.spillover_wait_s = spillover_wait_s
+        self.app_name = app_name
+        self.colocated = colocated
+        self.persistent_entry = "generate_persistent" if colocated else "generate"
+        self.engine_lane = "colocated" if colocated else "persistent"
         self.in_flight = 0
+        self.dispatching = 0
         self.spillovers = 0
         self.overloaded = 0
         self.served = {Lane.PERSISTENT.value: 0, Lane.STANDARD.value: 0}
         """Requests whose output came from each lane (counted at their first chunk)."""
+        self.caller = _this_actor()
+        self.estimator = SpilloverEstimator()
         self._spill_counter = spillover_counter()
         self._unhealthy_until = 0.0
         self._unsupported_until = 0.0
-        self.caller = _this_actor()
+        # the persistent pool as last read from its engines: (replicas, running there, ours running then)
+        self._pool: tuple[int, int, int] | None = None
+        self._poller: asyncio.Task | None = None
+        self._pools_needed = ["standard"] + (["persistent"] if persistent is not None and wait_for_persistent else [])
+        self._reached: set[str] = set()
+        self._probe_lock = asyncio.Lock()
 
     def _status(self) -> PersistentLaneStatus:
-        # capacity is not guessed here: an eligible request queues for a replica and spills on timeout
+        # capacity is decided per request by the spillover rule (_wait_budget), not here
         return PersistentLaneStatus(
             available=self.persistent is not None,
             healthy=time.monotonic() >= self._unhealthy_until,
@@ -136,10 +171,74 @@ class Router:
         )
 
     def stats(self) -> dict:
-        """Router counters for ``/debug/stats``."""
+        """Router counters and spillover estimates for ``/debug/stats``."""
+        replicas = None if self._pool is None else self._pool[0]
         return {"persistent_in_flight": self.in_flight, "spillovers": self.spillovers,
-                "overloaded": self.overloaded, "served": dict(self.served)}
+                "overloaded": self.overloaded, "served": dict(self.served), "persistent_replicas_seen": replicas,
+                "persistent_free": self._free_replicas(), "estimates": self.estimator.snapshot()}
 
+    # ---- readiness and the persistent pool's view ----------------------------------------
+    async def missing_pools(self) -> list[str]:
+        """The pools this router has not reached yet (``[]``: ready). Each missing pool gets one ``ping``
+        through its handle (the same handle requests use, so its replicas are resolved afterwards)."""
+        async with self._probe_lock:
+            missing = []
+            for name in self._pools_needed:
+                if name in self._reached:
+                    continue
+                handle = self.standard if name == "standard" else self.persistent
+                try:
+                    await asyncio.wait_for(handle.ping.remote(), timeout=READY_PROBE_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 - not reachable yet (deploying, replaced, timed out)
+                    missing.append(name)
+                    continue
+                if name == "persistent":
+                    await self._refresh_pool()  # know the pool before the first request
+                self._reached.add(name)
+            self._ensure_poller()
+            return missing
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None and self.persistent is not None and self.app_name is not None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_pool())
+
+    async def _poll_pool(self) -> None:
+        while True:
+            try:
+                await self._refresh_pool()
+            except Exception:  # noqa: BLE001 - keep the last view; the next read may work
+                pass
+            await asyncio.sleep(POOL_REFRESH_S)
+
+    async def _refresh_pool(self) -> None:
+        """Read the persistent engines: how many are healthy and how many of them are busy."""
+        if self.app_name is None:
+            return
+        from deployments.replicas import STATS_TIMEOUT_S, engine_actor_stats
+
+        mine = self.in_flight
+        engines = await engine_actor_stats(self.engine_lane, self.app_name, STATS_TIMEOUT_S)
+        lanes = [e.get("lanes", {}).get("persistent", e) for e in engines]
+        healthy = [e for e in lanes if e.get("decoder_healthy", True)]
+        self._pool = (len(healthy), sum(int(e.get("running", 0)) for e in healthy), mine)
+
+    def _free_replicas(self) -> int | None:
+        """Persistent replicas believed free now: those last seen, less this router's requests (running
+        and being dispatched) and the others' seen running then; None before the first read."""
+        if self._pool is None:
+            return None
+        replicas, running, mine_then = self._pool
+        others = max(0, running - mine_then)
+        return replicas - others - self.in_flight - self.dispatching
+
+    def _wait_budget(self) -> float | None:
+        """How long this eligible request may wait for a persistent replica; None: spill now."""
+        free = self._free_replicas()
+        if free is None or (self._pool is not None and self._pool[0] == 0):
+            return self.spillover_wait_s  # pool unknown, or empty: queue so Serve's demand can wake it
+        return self.estimator.wait_budget(free, self.spillover_wait_s, time.monotonic())
+
+    # ---- routing ---------------------------------------------------------------------------
     def decide(self, g: GenerateRequest):
         """The lane decision for ``g`` (pure: policy admission + lane choice)."""
         if g.lane_override == Lane.STANDARD.value:
@@ -148,12 +247,15 @@ class Router:
         reason = check_admission(g.admission_input(self.max_model_len, enabled=enabled))
         return choose_lane(self.mode, reason, self._status())
 
-    async def _take_persistent(self, g: GenerateRequest):
-        """Queue ``g`` on the persistent pool; the stream once a replica took it, or None on spillover."""
-        stream = self.persistent.options(stream=True).generate.remote(g)
+    async def _take_persistent(self, g: GenerateRequest, wait_s: float):
+        """Send ``g`` to the persistent pool; the stream once a replica took it (first item
+        :class:`Started`), else None (still queued after ``wait_s``, or refused by Serve's
+        ``max_queued_requests``)."""
+        entry = getattr(self.persistent.options(stream=True), self.persistent_entry)
+        stream = entry.remote(g)
         first = asyncio.ensure_future(stream.__anext__())
         try:
-            done, _ = await asyncio.wait({first}, timeout=self.spillover_wait_s)
+            done, _ = await asyncio.wait({first}, timeout=wait_s)
         except asyncio.CancelledError:  # the client went away while queued
             stream.cancel()
             first.cancel()
@@ -179,6 +281,7 @@ class Router:
             parent: OpenTelemetry context of the caller's span (the HTTP request span), or None.
             arrival: ``time.monotonic()`` when the HTTP request arrived (latency metrics), or now.
         """
+        self._ensure_poller()
         decision = self.decide(g)
         span = get_tracer().start_span(SPAN_ROUTE, context=parent, attributes={
             ATTR_LANE: decision.lane.value, "mode": self.mode.value, "request.id": g.request_id,
@@ -206,40 +309,20 @@ class Router:
                 self._fallback(span, decision.reason.value, "prelaunch", g.request_id)
                 fell_back = True
             if lane is Lane.PERSISTENT:
-                stream = await self._take_persistent(hop(g))
-                if stream is None:
-                    self._spill(span, g.request_id)
-                    fell_back = True
-                else:
-                    rejected = None
-                    self.in_flight += 1
-                    try:
-                        async for item in _ended_by_error(stream, g.request_id, Lane.PERSISTENT.value):
-                            if isinstance(item, Rejection):
-                                rejected = item
-                                break
-                            if isinstance(item, GenerationError) and item.stage == "postlaunch":
-                                # terminal for this request: traced, never retried on another lane
-                                self._fallback(span, item.reason, "postlaunch", g.request_id, lane=None)
-                                self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
-                            elif isinstance(item, GenerationChunk) and item.fallback_reason:
-                                self._fallback(span, item.fallback_reason, "prelaunch", g.request_id,
-                                               lane="persistent", continued_on="reference_decode")
-                            clock.chunk(item)
+                served = _Outcome(done=True)
+                async with contextlib.aclosing(self._persistent(g, hop, span, clock)) as items:
+                    async for item in items:
+                        if isinstance(item, _Outcome):
+                            served = item
+                        else:
                             count(item)
                             yield item
-                    finally:
-                        self.in_flight -= 1
-                    if rejected is None:
-                        return
-                    if rejected.reason == Reason.DECODER_UNHEALTHY.value:
-                        self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
-                    elif rejected.reason == Reason.UNSUPPORTED_ENVELOPE.value:
-                        self._unsupported_until = time.monotonic() + UNHEALTHY_RETRY_S
-                    self._fallback(span, rejected.reason, "prelaunch", g.request_id)
+                if served.spilled:
+                    g = dataclasses.replace(g, spilled=True)
+                if served.fell_back:
                     fell_back = True
-                    span.set_attribute(ATTR_LANE, Lane.STANDARD.value)
-                    span.set_attribute(ATTR_REASON, rejected.reason)
+                if served.done:
+                    return
             async for item in self._standard(hop(g), span):
                 clock.chunk(item)
                 count(item)
@@ -252,7 +335,8 @@ class Router:
         """The standard lane's stream for ``g``; sent again (``STANDARD_RETRIES``) when its replica or engine
         died before any output, an error event when it died after, 503 items when Serve refuses it."""
         for attempt in range(STANDARD_RETRIES + 1):
-            delivered = False
+            delivered, timed = False, False
+            dispatched = time.monotonic()
             stream = _ended_by_error(self.standard.options(stream=True).generate.remote(g), g.request_id,
                                      Lane.STANDARD.value)
             try:
@@ -263,6 +347,9 @@ class Router:
                         break  # nothing reached the client: send it again
                     if lost and not delivered:
                         item = dataclasses.replace(item, stage="admission", reason=REPLICA_UNAVAILABLE)
+                    if not timed and getattr(item, "token_ids", None):
+                        self.estimator.standard_first_chunk(time.monotonic() - dispatched)
+                        timed = True
                     delivered = True
                     yield item
                 else:
@@ -276,12 +363,65 @@ class Router:
             finally:
                 await stream.aclose()
 
-    def _spill(self, span, request_id: str) -> None:
-        """Every persistent replica stayed busy for ``spillover_wait_s``: go standard, traced and counted."""
+    async def _persistent(self, g: GenerateRequest, hop, span, clock):
+        """Try the persistent lane: yields its items, then one :class:`_Outcome` (served there, or
+        go standard: spilled for capacity or fell back after a rejection)."""
+        wait_s = self._wait_budget()
+        stream, started = None, time.monotonic()
+        if wait_s is not None:
+            self.dispatching += 1
+            try:
+                stream = await self._take_persistent(hop(g), wait_s)
+            finally:
+                self.dispatching -= 1
+        if stream is None:
+            self._spill(span, g.request_id, time.monotonic() - started if wait_s is not None else 0.0)
+            yield _Outcome(done=False, spilled=True, fell_back=True)
+            return
+        rejected = None
+        self.in_flight += 1
+        self.estimator.started(g.request_id, g.params.max_tokens, started)
+        try:
+            async for item in _ended_by_error(stream, g.request_id, Lane.PERSISTENT.value):
+                if isinstance(item, Rejection):
+                    rejected = item
+                    break
+                if isinstance(item, GenerationError) and item.stage == "postlaunch":
+                    # terminal for this request: traced, never retried on another lane
+                    self._fallback(span, item.reason, "postlaunch", g.request_id, lane=None)
+                    self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
+                elif isinstance(item, GenerationChunk):
+                    self.estimator.persistent_chunk(g.request_id, len(item.token_ids), time.monotonic())
+                    if item.fallback_reason:
+                        self._fallback(span, item.fallback_reason, "prelaunch", g.request_id,
+                                       lane="persistent", continued_on="reference_decode")
+                clock.chunk(item)
+                yield item
+        finally:
+            self.in_flight -= 1
+            self.estimator.finished(g.request_id)
+        if rejected is None:
+            yield _Outcome(done=True)
+            return
+        if rejected.reason == Reason.QUEUED_WORK.value:  # the replica was busy after all: a spill
+            self._spill(span, g.request_id, time.monotonic() - started)
+            yield _Outcome(done=False, spilled=True, fell_back=True)
+            return
+        if rejected.reason == Reason.DECODER_UNHEALTHY.value:
+            self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
+        elif rejected.reason == Reason.UNSUPPORTED_ENVELOPE.value:
+            self._unsupported_until = time.monotonic() + UNHEALTHY_RETRY_S
+        self._fallback(span, rejected.reason, "prelaunch", g.request_id)
+        span.set_attribute(ATTR_LANE, Lane.STANDARD.value)
+        span.set_attribute(ATTR_REASON, rejected.reason)
+        yield _Outcome(done=False, fell_back=True)
+
+    def _spill(self, span, request_id: str, waited_s: float) -> None:
+        """Every persistent replica is busy: go standard, traced (with how long it waited) and counted."""
         reason = Reason.PERSISTENT_CAPACITY.value
         self.spillovers += 1
         self._spill_counter.inc(tags={"reason": reason})
-        self._fallback(span, reason, "prelaunch", request_id, waited_s=self.spillover_wait_s)
+        self._fallback(span, reason, "prelaunch", request_id, waited_s=round(waited_s, 6))
         span.set_attribute(ATTR_LANE, Lane.STANDARD.value)
         span.set_attribute(ATTR_REASON, reason)
 
@@ -322,3 +462,13 @@ async def _ended_by_error(stream, request_id: str, lane: str):
         logger.exception("request %s failed on the %s lane", request_id, lane)
         yield GenerationError(request_id, f"internal error on the {lane} lane ({type(exc).__name__})", lane,
                               "postlaunch", "internal_error")
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """How a persistent attempt ended: ``done`` (served there), else go standard (``spilled`` for
+    capacity, ``fell_back`` when the standard hop must be sampled)."""
+
+    done: bool
+    spilled: bool = False
+    fell_back: bool = False

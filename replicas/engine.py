@@ -320,6 +320,13 @@ class LLMEngine:
                 self._children.pop(t.parent_id, None)
         return chunk
 
+    def pages_in_use(self) -> int:
+        """Distinct KV pages the requests of this engine hold (a page shared by prefix caching counts once)."""
+        pages: set[int] = set()
+        for t in list(self._tracked.values()):
+            pages.update(t.req.block_table)
+        return len(pages)
+
     def stats(self) -> dict:
         a = self.core.allocator
         return {

@@ -8,6 +8,13 @@ replica's placement-group bundle) so that this package never imports
 Compute runs off the event loop: the standard lane in one engine thread that
 loops schedule → run → postprocess while work exists; the persistent lane in a
 worker thread per request (one at a time).
+
+Co-located (``lane="colocated"``, one replica per GPU for single-GPU users): one engine core (one
+copy of the weights, one KV page pool) serves both lanes, and the one engine thread runs them in
+turn: a standard step, then one step of the persistent request (its prefill, or one quantum),
+then a standard step again... so the model never runs twice at once on the device. Quanta are
+not pipelined there (the next quantum is launched after the current one is read), so nothing of
+the persistent lane is in flight on the device while a standard step runs.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ logger = logging.getLogger(__name__)
 GAUGE_REFRESH_S = 5.0
 """Seconds between refreshes of the KV-page and decoder-health gauges (Ray expires gauges left unset)."""
 Item = GenerationChunk | Rejection | GenerationError
+LANES = ("standard", "persistent", "colocated")
 
 
 class PersistentDecoderLoadError(RuntimeError):
@@ -99,55 +107,75 @@ class EngineActor:
     def __init__(self, config: EngineConfig, lane: str = "standard", mode: str = "auto",
                  backend: str = "auto", checkpoint: str | None = None,
                  fault_injection: FaultInjection | dict | None = None, tracing=None):
-        if lane not in ("standard", "persistent"):
-            raise ValueError(f"lane must be 'standard' or 'persistent', got {lane!r}")
+        if lane not in LANES:
+            raise ValueError(f"lane must be one of {', '.join(LANES)}, got {lane!r}")
         self.lane_name = lane
+        self.colocated = lane == "colocated"
         self.mode = Mode.parse(mode)
+        if self.colocated:  # quanta one at a time: the engine thread runs a standard step between them
+            config = config.model_copy(update={"pipeline_quanta": False})
         # the persistent lane shares prefix-cached pages where its backend takes them (not mk1: MK1's envelope
-        # requires prefix caching off)
-        prefix = config.enable_prefix_caching and (lane == "standard" or backend_takes_cached_pages(backend))
+        # requires prefix caching off); co-located, the standard lane keeps the prefix cache either way (an
+        # mk1 lane then just never looks pages up)
+        prefix = config.enable_prefix_caching and (lane != "persistent" or backend_takes_cached_pages(backend))
         self.core = EngineCore.load(config, enable_prefix_caching=prefix)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self.persistent: PersistentLane | None = None
         self.engine: LLMEngine | None = None
-        if lane == "standard":
+        self._spilled_running = 0  # standard-lane requests the router spilled from the persistent lane
+        if lane != "persistent":
             self.engine = LLMEngine(self.core, on_scheduled=self._scheduled)
-            threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True).start()
             threading.Thread(target=self.core.grammars.warm, name="grammar-warmup", daemon=True).start()
-        else:
-            decoder, error = None, None
-            try:
-                decoder = create_backend(backend, self.core, checkpoint)
-                if fault_injection is not None:
-                    decoder = with_faults(decoder, FaultInjection.model_validate(fault_injection))
-            except (PersistentDecoderError, CheckpointError) as exc:
-                if self.mode is Mode.REQUIRED:
-                    raise PersistentDecoderLoadError(
-                        f"persistent-decoder=required, but the persistent decoder could not be loaded: {exc}"
-                    ) from exc
-                logger.warning("persistent decoder unavailable (%s); requests will fall back", exc)
-                error = f"{exc.reason}: {exc}"
-            try:
-                self.persistent = PersistentLane(self.core, decoder, error)  # binds the KV cache
-            except PersistentDecoderError as exc:
-                if self.mode is Mode.REQUIRED:
-                    raise PersistentDecoderLoadError(
-                        f"persistent-decoder=required, but binding the KV cache failed: {exc}"
-                    ) from exc
-                logger.warning("persistent decoder could not bind the KV cache (%s); requests will fall back", exc)
-                self.persistent = PersistentLane(self.core, None, f"{exc.reason}: {exc}")
+        if lane != "standard":
+            self.persistent = self._load_persistent(backend, checkpoint, fault_injection)
         from ops.telemetry.engine_telemetry import (
             build_engine_telemetry,  # start-up only, never per token
         )
 
         backend_name = self.persistent.backend.name if self.persistent and self.persistent.backend else None
         self.settings = self._settings(backend_name)
-        self.telemetry = build_engine_telemetry(lane, config.name, backend_name, tracing, self.settings)
+        self.telemetry = {
+            name: build_engine_telemetry(name, config.name, backend_name if name == "persistent" else None,
+                                         tracing, self.settings)
+            for name in (("standard", "persistent") if self.colocated else (lane,))
+        }
         self._requests: dict = {}  # request id -> RequestTelemetry, for the engine thread's queue-time hook
-        self.telemetry.gauges(self._stats())
+        self._snapshot: dict = self._colocated_stats() if self.colocated else {}
+        if self.engine is not None:
+            threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True).start()
+        self._publish_gauges()
         # Ray drops a gauge nobody set recently: refresh the page/health gauges while idle too
         threading.Thread(target=self._refresh_gauges, name="gauges", daemon=True).start()
+
+    def _load_persistent(self, backend: str, checkpoint: str | None, fault_injection) -> PersistentLane:
+        """The persistent lane over this engine's core: its backend bound to the KV cache, or a lane
+        that rejects every request (and reports why) when the backend cannot load or bind.
+
+        Raises:
+            PersistentDecoderLoadError: mode ``required`` and the backend failed to load or bind.
+        """
+        decoder, error = None, None
+        try:
+            decoder = create_backend(backend, self.core, checkpoint)
+            if fault_injection is not None:
+                decoder = with_faults(decoder, FaultInjection.model_validate(fault_injection))
+        except (PersistentDecoderError, CheckpointError) as exc:
+            if self.mode is Mode.REQUIRED:
+                raise PersistentDecoderLoadError(
+                    f"persistent-decoder=required, but the persistent decoder could not be loaded: {exc}"
+                ) from exc
+            logger.warning("persistent decoder unavailable (%s); requests will fall back", exc)
+            error = f"{exc.reason}: {exc}"
+        try:
+            return PersistentLane(self.core, decoder, error)  # binds the KV cache
+        except PersistentDecoderError as exc:
+            if self.mode is Mode.REQUIRED:
+                raise PersistentDecoderLoadError(
+                    f"persistent-decoder=required, but binding the KV cache failed: {exc}"
+                ) from exc
+            logger.warning("persistent decoder could not bind the KV cache (%s); requests will fall back", exc)
+            return PersistentLane(self.core, None, f"{exc.reason}: {exc}")
 
     async def ready(self) -> dict:
         """Static facts about this replica, once loaded."""
@@ -177,13 +205,49 @@ class EngineActor:
         return out
 
     def _stats(self) -> dict:
-        return self.persistent.stats() if self.persistent else self.engine.stats()
+        if self.colocated:
+            return self._snapshot
+        if self.persistent is not None:
+            return self.persistent.stats()
+        return {**self.engine.stats(), "spilled_running": self._spilled_running}
+
+    def _colocated_stats(self) -> dict:
+        """Co-located stats, taken in the engine thread between steps (so the lanes' pages add up):
+        the shared pool's totals, and per lane its pages in use (``kv_pages_in_use``; standard: the
+        distinct pages its requests hold; persistent: the rest of the pages in use)."""
+        a = self.core.allocator
+        standard, persistent = self.engine.stats(), self.persistent.stats()
+        standard_pages = self.engine.pages_in_use()
+        persistent_pages = a.num_used - standard_pages
+        pool = ("lane", "kv_pages_total", "kv_pages_free", "kv_pages_cached")
+        return {
+            "lane": "colocated", "kv_pages_total": a.num_blocks, "kv_pages_free": a.num_free,
+            "kv_pages_cached": a.num_cached, "running": standard["running"] + persistent["running"],
+            "waiting": standard["waiting"], "decoder_healthy": persistent["decoder_healthy"],
+            "unhealthy_reason": persistent["unhealthy_reason"], "backend": persistent["backend"],
+            "quanta_run": persistent["quanta_run"], "spilled_running": self._spilled_running,
+            "lanes": {
+                "standard": {**{k: v for k, v in standard.items() if k not in pool}, "kv_pages_in_use": standard_pages},
+                "persistent": {**{k: v for k, v in persistent.items() if k not in pool},
+                               "kv_pages_in_use": persistent_pages},
+            },
+        }
+
+    def _publish_gauges(self) -> None:
+        stats = self._stats()
+        if not self.colocated:
+            self.telemetry[self.lane_name].gauges(stats)
+            return
+        for name, lane in stats["lanes"].items():  # each lane's pages in use, against the shared pool's free
+            self.telemetry[name].gauges({**lane, "kv_pages_total": lane["kv_pages_in_use"] + stats["kv_pages_free"],
+                                         "kv_pages_free": stats["kv_pages_free"],
+                                         "decoder_healthy": stats["decoder_healthy"]})
 
     def _refresh_gauges(self, period_s: float = GAUGE_REFRESH_S) -> None:
         while True:
             time.sleep(period_s)
             try:
-                self.telemetry.gauges(self._stats())
+                self._publish_gauges()
             except Exception:  # noqa: BLE001 - telemetry must never take the engine down
                 logger.debug("gauge refresh failed", exc_info=True)
 
@@ -198,20 +262,49 @@ class EngineActor:
         if rt is not None:
             rt.scheduled()
 
-    async def generate(self, g: GenerateRequest) -> AsyncIterator[Item]:
-        """Stream the events of one request (see :mod:`replicas.messages`)."""
+    def _lane_for(self, lane: str | None) -> str:
+        """The lane that serves a request here: this actor's own, or (co-located) the one asked for.
+
+        Raises:
+            ValueError: ``lane`` names a lane this actor does not run.
+        """
+        if not self.colocated:
+            if lane not in (None, self.lane_name):
+                raise ValueError(f"this engine runs the {self.lane_name} lane, not {lane!r}")
+            return self.lane_name
+        if lane not in (None, "standard", "persistent"):
+            raise ValueError(f"lane must be standard or persistent, got {lane!r}")
+        return lane or "standard"
+
+    async def generate(self, g: GenerateRequest, lane: str | None = None) -> AsyncIterator[Item]:
+        """Stream the events of one request (see :mod:`replicas.messages`).
+
+        Args:
+            g: the request.
+            lane: co-located engines: ``"persistent"`` or ``"standard"`` (default); other engines serve
+                their own lane (None or its name).
+
+        Raises:
+            ValueError: ``lane`` is not a lane of this engine.
+        """
+        target = self._lane_for(lane)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         done = False
         cancel = threading.Event()
-        rt = self.telemetry.start(g)
-        if self.persistent is not None:
+        rt = self.telemetry[target].start(g)
+        if target == "persistent" and not self.colocated:
             threading.Thread(target=self._persistent_worker, args=(g, cancel, loop, out, rt), daemon=True).start()
+        elif target == "persistent":
+            self._inbox.put(("persistent", (g, cancel, rt), loop, out))
+            self._wakeup.set()
         else:
             self._requests[g.request_id] = rt
             self._inbox.put(("add", g, loop, out))
             self._wakeup.set()
-        open_choices = g.params.n if self.persistent is None else 1
+        spilled = g.spilled and target == "standard"
+        self._spilled_running += spilled
+        open_choices = g.params.n if target == "standard" else 1
         try:
             while not done:
                 item = await out.get()
@@ -221,29 +314,32 @@ class EngineActor:
                     done = open_choices == 0 or not isinstance(item, GenerationChunk)
                 yield item
         finally:
+            self._spilled_running -= spilled
             if not done:  # the caller went away: stop the work and free its pages
                 cancel.set()
-                if self.engine is not None:
+                if target == "standard":
                     self._inbox.put(("abort", g.request_id, None, None))
                     self._wakeup.set()
             self._requests.pop(g.request_id, None)
             rt.end()
-            self.telemetry.gauges(self._stats())
+            self._publish_gauges()
 
     def _persistent_worker(self, g, cancel, loop, out, rt=None) -> None:
         try:
             for item in self.persistent.generate(g, cancel, rt):
                 if not _post(loop, out, item):
                     cancel.set()
-            self.telemetry.gauges(self._stats())  # pages are back in the pool now
+            self._publish_gauges()  # pages are back in the pool now
         except Exception as exc:  # noqa: BLE001 - never leave the caller waiting
             logger.exception("persistent lane failed")
             _post(loop, out, GenerationError(g.request_id, str(exc), "persistent", "engine", "engine_error"))
 
     def _engine_loop(self) -> None:
+        """The engine thread: drain the inbox, run one standard step, then (co-located) advance each
+        persistent request by one step (prefill or quantum); sleep while there is no work."""
         sinks: dict[str, tuple] = {}
-
         open_choices: dict[str, int] = {}
+        jobs: list[list] = []  # co-located persistent requests: [items iterator, request id, loop, out, cancel]
 
         def deliver(rid: str, item: Item) -> None:
             loop, out = sinks[rid]
@@ -273,18 +369,52 @@ class EngineActor:
                     self.engine.abort(arg)
                     sinks.pop(arg, None)
                     open_choices.pop(arg, None)
-            if not self.engine.has_unfinished():
+                elif op == "persistent":
+                    g, cancel, rt = arg
+                    jobs.append([self.persistent.generate(g, cancel, rt), g.request_id, loop, out, cancel])
+            if not self.engine.has_unfinished() and not jobs:
+                if self.colocated:
+                    self._snapshot = self._colocated_stats()
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
-            try:
-                chunks = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - fail the batch's requests, keep the replica
-                logger.exception("engine step failed")
-                for rid in list(sinks):
-                    self.engine.abort(rid)
-                    deliver(rid, GenerationError(rid, f"engine step failed: {exc}", "standard", "engine", "engine_error"))
-                continue
-            for chunk in chunks:
-                if chunk.request_id in sinks:
-                    deliver(chunk.request_id, chunk)
+            if self.engine.has_unfinished():
+                self._standard_step(sinks, deliver)
+            for job in list(jobs):
+                if self._advance(job):
+                    jobs.remove(job)
+            if self.colocated:
+                self._snapshot = self._colocated_stats()
+
+    def _standard_step(self, sinks: dict, deliver) -> None:
+        try:
+            chunks = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the batch's requests, keep the replica
+            logger.exception("engine step failed")
+            for rid in list(sinks):
+                self.engine.abort(rid)
+                deliver(rid, GenerationError(rid, f"engine step failed: {exc}", "standard", "engine", "engine_error"))
+            return
+        for chunk in chunks:
+            if chunk.request_id in sinks:
+                deliver(chunk.request_id, chunk)
+
+    def _advance(self, job: list) -> bool:
+        """Run a co-located persistent request up to its next item (its prefill or one quantum) and hand the
+        item over; True once the request is over (its pages are back in the pool then)."""
+        items, rid, loop, out, cancel = job
+        try:
+            item = next(items)
+        except StopIteration:
+            return True
+        except Exception as exc:  # noqa: BLE001 - never leave the caller waiting
+            logger.exception("persistent lane failed")
+            _post(loop, out, GenerationError(rid, str(exc), "persistent", "engine", "engine_error"))
+            return True
+        if not _post(loop, out, item):
+            cancel.set()
+        if _is_last(item):
+            for _ in items:  # run the lane's cleanup (pages freed) now, in this thread
+                pass
+            return True
+        return False

@@ -35,6 +35,9 @@ class GenerateRequest:
         caller: ``(actor id, actor handle)`` of the process that will read the
             stream (the ingress replica), so a replica can stop the work of a
             caller that died; None outside an actor. Not passed to engines.
+        spilled: an eligible request the router sent to the standard lane because every
+            persistent replica was busy (reason ``persistent_capacity``); engines count these as
+            persistent demand (stats ``spilled_running``) for the persistent pool's autoscaling.
     """
 
     request_id: str
@@ -45,6 +48,7 @@ class GenerateRequest:
     trace_context: dict[str, str] = field(default_factory=dict)
     lane_override: str | None = None
     caller: tuple[str, Any] | None = None
+    spilled: bool = False
 
     @property
     def num_sequences(self) -> int:

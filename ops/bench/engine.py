@@ -142,6 +142,77 @@ def time_standard(core, prompt: list[int], new_tokens: int, reps: int) -> tuple[
     return statistics.median(ttfts), statistics.median(tpots)
 
 
+def direct_records(core, lane: str, prompts: list[list[int]], new_tokens: int, concurrency: int = 1,
+                   backend=None) -> list:
+    """Per-request timings of ``prompts`` served by our lanes directly (no Ray, no HTTP), measured as
+    ``ops.bench.serve`` measures them through the server, for a Serve-vs-engine comparison.
+
+    ``lane="persistent"``: one request at a time through a :class:`PersistentLane` with ``backend``
+    (default ``cuda_graph``); ``"standard"``: an :class:`LLMEngine` keeping ``concurrency`` requests in
+    flight (a new one is added as soon as one finishes, like the benchmark client's semaphore). Every
+    request makes exactly ``new_tokens`` tokens (EOS ignored). TTFT = add → first chunk; ITL = gaps
+    between a request's chunks (a quantum is one chunk); E2EL = add → last chunk.
+
+    Returns:
+        ``ops.bench.serve.RequestRecord`` per prompt, in order (times in seconds).
+    """
+    from ops.bench.serve import RequestRecord
+    from replicas.engine import LLMEngine
+    from replicas.messages import GenerateRequest
+    from replicas.persistent.factory import create_backend
+    from replicas.persistent.lane import PersistentLane
+    from replicas.request import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    records = [RequestRecord(lane=lane, prompt_tokens=len(p)) for p in prompts]
+    device = core.runner.device
+    if lane == "persistent":
+        lane_ = PersistentLane(core, backend or create_backend("cuda_graph", core))
+        for i, p in enumerate(prompts):
+            _sync(device)
+            t0 = last = time.perf_counter()
+            rec = records[i]
+            for chunk in lane_.generate(GenerateRequest(f"d{i}", p, params)):
+                now = time.perf_counter()
+                if rec.ttft is None:
+                    rec.ttft = now - t0
+                else:
+                    rec.itl.append(now - last)
+                last = now
+                rec.output_tokens += len(chunk.token_ids)
+            rec.e2el, rec.ok = last - t0, rec.output_tokens == new_tokens
+        return records
+    engine = LLMEngine(core)
+    start: dict[str, float] = {}
+    last: dict[str, float] = {}
+    queue = list(range(len(prompts)))
+
+    def add() -> None:
+        i = queue.pop(0)
+        start[f"d{i}"] = last[f"d{i}"] = time.perf_counter()
+        engine.add_request(f"d{i}", prompts[i], params)
+
+    _sync(device)
+    for _ in range(min(concurrency, len(queue))):
+        add()
+    while engine.has_unfinished():
+        chunks = engine.step()
+        now = time.perf_counter()
+        for ch in chunks:
+            rec = records[int(ch.request_id[1:])]
+            if rec.ttft is None:
+                rec.ttft = now - start[ch.request_id]
+            else:
+                rec.itl.append(now - last[ch.request_id])
+            last[ch.request_id] = now
+            rec.output_tokens += len(ch.token_ids)
+            if ch.finish_reason is not None:
+                rec.e2el, rec.ok = now - start[ch.request_id], True
+                if queue:
+                    add()
+    return records
+
+
 def hf_model(raw_cfg: dict, device, dtype):
     """transformers' model for ``raw_cfg`` (Llama or GPT-OSS; experts dense), random weights, on ``device``."""
     import transformers
@@ -304,9 +375,10 @@ def run(args) -> list[Row]:
             if i == 0 and args.profile and shape == (args.profile_shape or args.shapes.split(",")[-1]):
                 profile_rows(graph, args.prompt_len + args.new_tokens // 2, label, args)
             del graph
-            if i == 0:
+            if i == 0 and "persistent/eager" not in args.skip_lanes:
                 row("persistent/eager", time_persistent(core, create_backend("eager", core), prompt, slow_tokens,
                                                         1 if gpt_oss else args.reps), slow_tokens)
+            if i == 0 and "standard" not in args.skip_lanes:
                 row("standard", time_standard(core, prompt, slow_tokens, 1 if gpt_oss else args.reps), slow_tokens)
             del core
             _free(device)
@@ -499,6 +571,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--bandwidth-tbps", type=float, default=4.8, help="HBM bandwidth for the floor (H200: 4.8)")
     p.add_argument("--tiny", action="store_true", help="tiny Llama and GPT-OSS shapes (CPU smoke run)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    p.add_argument("--skip-lanes", default="", type=lambda v: {x.strip() for x in v.split(",") if x.strip()},
+                   help="comma-separated lanes not to time: persistent/eager, standard")
     p.add_argument("--hf-compile", action="store_true", help="also time transformers static cache + compile")
     p.add_argument("--hf-120b", action="store_true", help="try transformers on gpt-oss-120b too (needs ~240 GB)")
     p.add_argument("--profile", action="store_true",

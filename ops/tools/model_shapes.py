@@ -48,11 +48,36 @@ def shape_config(shape: str) -> dict:
     raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}, tiny, tiny-gpt-oss")
 
 
-def write_config_dir(config: str | dict, directory: str | Path) -> Path:
+def write_config_dir(config: str | dict, directory: str | Path, tokenizer: bool = False) -> Path:
     """Write ``config`` (a shape name or a ``config.json`` dict) as ``directory/config.json``; returns the
-    directory, a model directory for ``load_format=dummy``."""
+    directory, a model directory for ``load_format=dummy``. With ``tokenizer``, also a token-id tokenizer
+    for it (:func:`write_token_id_tokenizer`), so that the directory can be served over HTTP."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     raw = shape_config(config) if isinstance(config, str) else config
     (directory / "config.json").write_text(json.dumps(raw, indent=1))
+    if tokenizer:
+        eos = raw.get("eos_token_id")
+        write_token_id_tokenizer(directory, raw["vocab_size"], eos[0] if isinstance(eos, list) else eos)
+    return directory
+
+
+def write_token_id_tokenizer(directory: str | Path, vocab_size: int, eos_token_id: int | None = None) -> Path:
+    """Write a tokenizer whose every id is a word of its own (``<t0>`` ... ``<tN-1>``, whitespace-split),
+    for random-weight models served over HTTP: every id the model emits decodes to text, any id prompt is
+    valid, and ``eos_token_id`` is the model's. Not a language tokenizer: benchmarks send token ids.
+
+    Files: ``tokenizer.json`` (a ``tokenizers`` WordLevel model) and ``tokenizer_config.json``, loadable by
+    ``transformers.AutoTokenizer``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    directory = Path(directory)
+    vocab = {f"<t{i}>": i for i in range(vocab_size)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<t0>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    eos = f"<t{eos_token_id}>" if eos_token_id is not None else None
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<t0>", eos_token=eos).save_pretrained(directory)
     return directory

@@ -110,8 +110,9 @@ def assert_pages_returned(base: str, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         stats = pool_stats(base)
-        lanes = [v for k, v in stats.items() if k in ("standard", "persistent")]
-        if all(s["kv_pages_free"] == s["kv_pages_total"] for s in lanes):
+        lanes = [v for k, v in stats.items() if k in ("standard", "persistent", "colocated")]
+        in_use = [lane["kv_pages_in_use"] for pool in lanes for lane in pool.get("lanes", {}).values()]
+        if all(s["kv_pages_free"] == s["kv_pages_total"] for s in lanes) and not any(in_use):
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"KV pages not returned: {stats}")

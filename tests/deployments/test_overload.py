@@ -2,13 +2,12 @@
 
 The app has one persistent replica (batch one) and one standard replica that
 holds 2 requests with 2 more queued (Serve's ``max_ongoing_requests`` /
-``max_queued_requests``), and a 0.3 s spillover wait.
+``max_queued_requests``), and a 0.3 s cap on spillover waits.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -41,9 +40,9 @@ async def _chat(client: httpx.AsyncClient, base: str, **body) -> httpx.Response:
                              json={"model": MODEL, "messages": ASK, **body})
 
 
-def test_busy_persistent_pool_spills_to_standard_after_the_wait(tight, otlp):
-    """Three greedy requests at once: one persistent replica takes one, the others wait
-    ``spillover_wait_s`` and go standard with reason ``persistent_capacity`` (span + counter)."""
+def test_busy_persistent_pool_spills_to_standard_at_once(tight, otlp):
+    """Three greedy requests at once: the one persistent replica takes one, the others go standard at
+    once (no estimate says it frees up soon) with reason ``persistent_capacity`` (span + counter)."""
     before = pool_stats(tight)["router"]["spillovers"]
 
     async def main():
@@ -51,9 +50,7 @@ def test_busy_persistent_pool_spills_to_standard_after_the_wait(tight, otlp):
             return await asyncio.gather(*(_chat(c, tight, temperature=0, max_tokens=48, ignore_eos=True)
                                           for _ in range(3)))
 
-    start = time.monotonic()
     responses = asyncio.run(main())
-    assert time.monotonic() - start >= SPILL_WAIT_S
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     lanes = sorted(r.headers["x-lane"] for r in responses)
     assert lanes == ["persistent", "standard", "standard"], lanes
@@ -64,7 +61,7 @@ def test_busy_persistent_pool_spills_to_standard_after_the_wait(tight, otlp):
     assert len(spilled) == 2
     spans = otlp.wait_for(lambda s: s.name == "fallback"
                           and s.attributes.get("fallback.reason") == "persistent_capacity", timeout=20)
-    assert any(s.attributes.get("waited_s") == SPILL_WAIT_S for s in spans)
+    assert [s.attributes["waited_s"] for s in spans[-2:]] == [0.0, 0.0]  # not dispatched: no wait at all
     assert_pages_returned(tight)
 
 

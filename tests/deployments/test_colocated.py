@@ -1,0 +1,95 @@
+"""Co-located mode over real HTTP: one replica hosts both lanes over one copy of the weights and one page pool."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.deployments.conftest import MODEL, assert_pages_returned, extra_app, pool_stats
+
+pytestmark = pytest.mark.ray
+
+ASK = [{"role": "user", "content": "Count from one to fifty in words."}]
+
+
+@pytest.fixture(scope="module")
+def colocated(server, otlp):
+    with extra_app(server, otlp, "coloc", colocated=True) as base:
+        yield base
+
+
+async def _chat(client: httpx.AsyncClient, base: str, lane: str | None = None, **body) -> httpx.Response:
+    return await client.post(f"{base}/v1/chat/completions", timeout=300, headers={"x-lane": lane} if lane else {},
+                             json={"model": MODEL, "messages": ASK, **body})
+
+
+def test_one_replica_serves_both_lanes_with_the_separate_replicas_tokens(colocated, server):
+    """Greedy goes persistent, sampled standard, on the one co-located replica; a persistent and a forced
+    standard greedy stream run at the same time and both give the separate-replica app's text; the one
+    page pool is full again afterwards."""
+    greedy = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+    seen: list[dict] = []
+
+    async def watch(stop: asyncio.Event):
+        async with httpx.AsyncClient() as c:
+            while not stop.is_set():
+                seen.append((await c.get(f"{colocated}/debug/stats", timeout=30)).json()["colocated"])
+                await asyncio.sleep(0.05)
+
+    async def main():
+        async with httpx.AsyncClient() as c:
+            reference = await _chat(c, server, **greedy)  # the two-pool session app, persistent lane
+            stop = asyncio.Event()
+            watcher = asyncio.ensure_future(watch(stop))
+            both = await asyncio.gather(_chat(c, colocated, **greedy), _chat(c, colocated, "standard", **greedy),
+                                        _chat(c, colocated, temperature=0.9, seed=1, max_tokens=16))
+            stop.set()
+            await watcher
+            return reference, both
+
+    reference, (persistent, standard, sampled) = asyncio.run(main())
+    for r in (reference, persistent, standard, sampled):
+        assert r.status_code == 200, r.text
+    assert [r.headers["x-lane"] for r in (reference, persistent, standard, sampled)] == [
+        "persistent", "persistent", "standard", "standard"]
+    text = reference.json()["choices"][0]["message"]["content"]
+    assert persistent.json()["choices"][0]["message"]["content"] == text
+    assert standard.json()["choices"][0]["message"]["content"] == text
+    stats = assert_pages_returned(colocated)
+    assert "colocated" in stats and "standard" not in stats and stats["colocated"]["replicas"] == 1
+    engine = stats["colocated"]["engines"][0]
+    assert engine["settings"]["persistent_backend"] == "eager" and engine["settings"]["pipeline_quanta"] is False
+    mixed = [s for s in seen if all(s["lanes"][lane]["kv_pages_in_use"] for lane in ("standard", "persistent"))]
+    assert mixed, seen[-3:]  # both lanes held pages of the one pool at once
+    m = mixed[0]
+    assert m["lanes"]["standard"]["kv_pages_in_use"] + m["lanes"]["persistent"]["kv_pages_in_use"] == (
+        m["kv_pages_total"] - m["kv_pages_free"])
+
+
+def test_a_busy_colocated_persistent_lane_spills_at_once(colocated):
+    before = pool_stats(colocated)["router"]["spillovers"]
+
+    async def main():
+        async with httpx.AsyncClient() as c:
+            return await asyncio.gather(*(_chat(c, colocated, temperature=0, max_tokens=24, ignore_eos=True)
+                                          for _ in range(3)))
+
+    responses = asyncio.run(main())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert sorted(r.headers["x-lane"] for r in responses) == ["persistent", "standard", "standard"]
+    assert pool_stats(colocated)["router"]["spillovers"] - before == 2
+    assert_pages_returned(colocated)
+
+
+def test_what_each_lane_costs_the_other_on_one_replica(colocated):
+    """Benchmark printout (no timing assertion): one persistent stream next to 2 standard ones."""
+    from ops.bench.interference import format_result, measure
+
+    result = measure(colocated, MODEL, standard_streams=2, prompt_len=64, max_tokens=24, rounds=1)
+    print("\n" + format_result(result))
+    for lane in ("persistent", "standard"):
+        assert result[lane]["alone"]["lanes"] == [lane] and result[lane]["together"]["lanes"] == [lane]
+        assert result[lane]["alone"]["failed"] == result[lane]["together"]["failed"] == 0
+    assert_pages_returned(colocated)
