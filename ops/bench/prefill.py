@@ -746,8 +746,7 @@ def _sweep(rep: Report, args, core) -> None:
     graphs = core.runner.graphs
     t0 = time.perf_counter()
     if graphs is not None:
-        for size in graphs.batch_sizes:
-            graphs._capture(size)
+        graphs.capture_all()
     capture_s = time.perf_counter() - t0
     steps: list[tuple[int, int]] = []  # (sequences, tokens) of every forward
     execute = core.runner.execute
