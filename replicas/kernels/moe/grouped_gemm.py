@@ -172,23 +172,29 @@ def _count_kernel(ids_ptr, counts_ptr, P, E, C: tl.constexpr, EP: tl.constexpr):
 
 @triton.jit
 def _offsets_kernel(counts_ptr, expert_start_ptr, block_expert_ptr, block_row_ptr, chunks, E, max_blocks,
-                    BLOCK_M: tl.constexpr, EP: tl.constexpr, BB: tl.constexpr):
+                    BLOCK_M: tl.constexpr, EP: tl.constexpr, CB: tl.constexpr, BB: tl.constexpr):
     """One program: per-expert totals, ``expert_start``, each chunk's first slot per expert (``counts``
     rewritten in place to absolute offsets: ``expert_start[e]`` + the pairs of ``e`` in earlier chunks), and
-    the block map (as :func:`group_by_expert`: blocks past the last hold ``E``)."""
+    the block map (as :func:`group_by_expert`: blocks past the last hold ``E``). ``counts`` is read ``CB``
+    chunks at a time."""
     cols = tl.arange(0, EP)
+    crow = tl.arange(0, CB)
     total = tl.zeros([EP], tl.int32)
-    for c in range(chunks):
-        total += tl.load(counts_ptr + c * EP + cols)
+    for c0 in range(0, chunks, CB):
+        r = c0 + crow
+        total += tl.sum(tl.load(counts_ptr + r[:, None] * EP + cols[None, :], mask=(r < chunks)[:, None], other=0), 0)
     incl = tl.cumsum(total, 0)
     start = incl - total
     tl.store(expert_start_ptr + cols + 1, incl, mask=cols < E)
     tl.store(expert_start_ptr + cols, start, mask=cols == 0)
     run = start
-    for c in range(chunks):
-        n = tl.load(counts_ptr + c * EP + cols)
-        tl.store(counts_ptr + c * EP + cols, run)
-        run += n
+    for c0 in range(0, chunks, CB):
+        r = c0 + crow
+        ptrs = counts_ptr + r[:, None] * EP + cols[None, :]
+        ok = (r < chunks)[:, None]
+        tile = tl.load(ptrs, mask=ok, other=0)
+        tl.store(ptrs, run[None, :] + tl.cumsum(tile, 0) - tile, mask=ok)
+        run += tl.sum(tile, 0)
     blocks = tl.where(cols < E, (total + BLOCK_M - 1) // BLOCK_M, 0)
     block_end = tl.cumsum(blocks, 0)
     first_row = start - (block_end - blocks) * BLOCK_M  # row of block b of expert e: first_row[e] + b * BLOCK_M
@@ -244,7 +250,7 @@ def triton_group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) ->
     block_row = torch.empty(max(max_blocks, 1), dtype=torch.int32, device=dev)
     _count_kernel[(chunks,)](flat, counts, p, num_experts, C=GROUP_CHUNK, EP=ep, num_warps=4)
     _offsets_kernel[(1,)](counts, expert_start, block_expert, block_row, chunks, num_experts, max_blocks,
-                          BLOCK_M=block_m, EP=ep, BB=64, num_warps=4)
+                          BLOCK_M=block_m, EP=ep, CB=32, BB=64, num_warps=4)
     _place_kernel[(chunks,)](flat, counts, order, p, C=GROUP_CHUNK, EP=ep, num_warps=4)
     return ExpertGrouping(order, expert_start, block_expert[:max_blocks], block_row[:max_blocks], block_m, max_blocks)
 

@@ -131,10 +131,12 @@ def test_grouping_on_device():
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,block_m", [(3, 2, 5, 2), (1, 4, 128, 16), (75, 4, 32, 16),
-                                                          (40, 4, 6, 64), (333, 2, 128, 128)])
+                                                          (40, 4, 6, 64), (333, 2, 128, 128),
+                                                          (1100, 2, 32, 16)])
 def test_triton_grouping_equals_torch_grouping(tokens, top_k, experts, block_m):
     """The three-launch Triton grouping gives :func:`group_by_expert`'s tensors exactly: several 64-pair chunks
-    (333 x 2), experts that are not a power of two, empty experts (1 token of 128), experts longer than one
+    (333 x 2), more than the 32 chunks its offsets program reads at a time (1,100 x 2), experts that are not a
+    power of two, empty experts (1 token of 128), experts longer than one
     block; the block map's unused tail included."""
     g = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
