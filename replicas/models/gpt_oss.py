@@ -266,7 +266,7 @@ class GptOssForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_planes: KVPlanes) -> torch.Tensor:
-        if meta.kernels and self.ops.triton:
+        if meta.kernels and self.ops.triton and self.layered_kernel_forward:
             return self.forward_kernels(input_ids, meta, kv_planes)
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos = self.rope_cos[meta.positions].to(x.dtype)  # [T, D/2]
@@ -308,6 +308,11 @@ class GptOssForCausalLM(nn.Module):
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, h = ops.moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True, x_mxfp4=h_mx)
         return self.lm_head(h[meta.last_token_indices.to(h.device)]).float()  # [B, vocab]
+
+    layered_kernel_forward = True
+    """With the kernels (``meta.kernels`` and Triton ops), :meth:`forward` runs :meth:`forward_kernels`; False
+    runs the layer modules with the prefill attention and the MoE kernels only (a benchmark's comparison, as
+    ``ops/bench/prefill.py`` measures both; serving keeps True)."""
 
     config_class = GptOssConfig
     """The config type ``config.json`` parses into."""
