@@ -106,6 +106,16 @@ class DecodeGraphs:
         self.replays += 1
         return buf["logits"][:n].clone()
 
+    def capture_all(self) -> list[int]:
+        """Capture every bucket not captured yet, largest first, and return the buckets that could not be
+        captured. Largest first, the decode attention's split-K workspace (shared by every bucket, and never
+        freed while a graph may replay it: :func:`~replicas.kernels.triton_decode_attention.partial_buffers`)
+        is allocated once, at its largest size, instead of growing bucket by bucket."""
+        for size in sorted(self.batch_sizes, reverse=True):
+            if size not in self._graphs and size not in self._failed:
+                self._capture(size)
+        return sorted(self._failed)
+
     def _body(self, buf: dict[str, torch.Tensor]) -> None:
         staged = buf["staging"]
         buf["logits"].copy_(self.model.decode_static(staged[:, 0], staged[:, 1], staged[:, 2:], self.kv_planes))

@@ -69,7 +69,9 @@ class Settings:
     tokens = (1, 16, 64, 1024, 8192)
     moe_tokens = (1, 8, 16, 64, 256, 1024, 8192)  # 8 and 256: the standard lane's c=8 and c=256 decode steps
     prompts = (128, 1024, 8192)
-    warm_prompts = (128, 300, 500, 1000, 2000, 8192)  # every MoE block height and both attention variants
+    profile_prompts = (128, 1024)
+    warm_prompts = (16, 128, 300, 500, 1000, 2000, 8192)  # the decode MoE kernels (<= 16 tokens), every grouped
+    # block height and both attention variants: the first call of each compiles (NVRTC for hopper_bulk)
     concurrency = (1, 8, 16, 64, 256)
     sweep_prompt = 1024
     repeat_prompt = 2000
@@ -83,6 +85,7 @@ class Settings:
     def make_smoke(cls) -> None:
         cls.device, cls.dtype, cls.smoke = "cpu", torch.float32, True
         cls.tokens, cls.prompts, cls.warm_prompts, cls.concurrency = (1, 16, 40), (16, 40), (40,), (1, 3)
+        cls.profile_prompts = (40,)
         cls.moe_tokens = cls.tokens
         cls.sweep_prompt, cls.repeat_prompt = 24, 40
         cls.heads, cls.moe, cls.check_experts, cls.moe_check_tokens = (8, 2, 16), (8, 64, 64, 2), 8, (1, 9)
@@ -648,6 +651,35 @@ def ttft_standard(core, prompt: list[int]) -> float:
     return ms
 
 
+def profile_prefill(core, prompt: list[int], top: int = 14) -> tuple[float, float, list[list]]:
+    """One standard-lane prefill of ``prompt`` under ``torch.profiler``: ``(wall ms, GPU busy ms, rows)``, rows
+    ``[kernel, launches, ms, share of busy]`` for the ``top`` kernels by GPU time (the rest summed in one
+    row). Busy time is the sum of the kernels' durations: well below the wall time, the forward is bound by
+    the host (Python and launches), close to it, by the GPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if S.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        wall = ttft_standard(core, prompt)
+        sync()
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            slot = per.setdefault(e.name, [0, 0.0])
+            slot[0] += 1
+            slot[1] += e.time_range.elapsed_us() / 1e3
+    busy = sum(v[1] for v in per.values())
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][1])
+    rows = [[name if len(name) <= 70 else name[:67] + "...", n, ms, ms / busy if busy else float("nan")]
+            for name, (n, ms) in ranked[:top]]
+    rest = ranked[top:]
+    if rest:
+        ms = sum(v[1] for _, v in rest)
+        rows.append([f"({len(rest)} other kernels)", int(sum(v[0] for _, v in rest)), ms, ms / busy if busy else 0.0])
+    return wall, busy, rows
+
+
 def use_prefill_kernels(core, on: bool, ops=None):
     """Give ``core``'s model the ops with (``on``) or without the prefill kernels (the previous path: torch
     attention per sequence, each routed expert dequantized), on the same weights; returns the ops it had.
@@ -690,6 +722,10 @@ def part_model(rep: Report, args, shape: str) -> None:
                 ttft_persistent(core, random_prompt(vocab, n, seed=n))
             except Exception as exc:  # noqa: BLE001 - reported; that length fails below too
                 rep.error(f"{shape}/warm-up {n} tokens", exc)
+                if core.model.layered_kernel_forward:  # keep measuring on the layer modules' kernel path
+                    core.model.layered_kernel_forward = False
+                    rep.note(f"{shape}: kernel forward failed", "forward_kernels raised in the warm-up (see "
+                             "errors.txt); everything below ran the layer modules with the prefill kernels")
         warm_s = time.perf_counter() - t0
         rows = []
         for n in S.prompts:
@@ -715,22 +751,47 @@ def part_model(rep: Report, args, shape: str) -> None:
                 use_prefill_kernels(core, True, kernels)
             before = (f"Previous path (torch attention per sequence, experts dequantized one by one), "
                       f"{S.prompts[1]:,} tokens: {old:,.0f} ms.")
+            if core.model.layered_kernel_forward:
+                core.model.layered_kernel_forward = False  # the layer modules with the prefill kernels only
+                try:
+                    first = ttft_persistent(core, random_prompt(vocab, S.prompts[1], 301))
+                except Exception as exc:  # noqa: BLE001
+                    rep.error(f"{shape}/layer-module kernel path", exc)
+                    first = float("nan")
+                finally:
+                    core.model.layered_kernel_forward = True
+                before += (f" The layer modules with the prefill attention and grouped MoE kernels only (the first "
+                           f"H200 run's path, without forward_kernels), {S.prompts[1]:,} tokens: {first:,.0f} ms.")
         rep.table(f"TTFT, batch one, {shape} (random weights), ms",
                   ["prompt", "persistent lane", "standard lane", "compute floor", "bytes floor", "of floor"], rows,
                   f"Median of {args.reps} fresh random prompts (no prefix-cache hits); floor = max(compute at "
                   f"{args.tflops} TFLOP/s, bytes at {args.bandwidth_tbps} TB/s), overlapped. Built in {build_s:.0f} s, "
                   f"warm-up (compiling) {warm_s:.0f} s. {before}")
+        for n in S.profile_prompts:
+            if rep.left() < 60:
+                break
+            try:
+                wall, busy, prof_rows = profile_prefill(core, random_prompt(vocab, n, 500 + n))
+                rep.table(f"Where a {n:,}-token prefill's GPU time goes, {shape} (standard lane, under the profiler)",
+                          ["kernel", "launches", "ms", "share of GPU busy"], prof_rows,
+                          f"Wall {wall:,.1f} ms under the profiler, GPU busy {busy:,.1f} ms (sum of kernel "
+                          "durations): busy well below wall means the host (Python, launches) bounds the forward.")
+            except Exception as exc:  # noqa: BLE001
+                rep.error(f"{shape}/profile {n} tokens", exc)
         prompt = random_prompt(vocab, S.repeat_prompt, 400)
         hits: list[int] = []
         try:
-            cold, warm = ttft_persistent(core, prompt, hits), ttft_persistent(core, prompt, hits)
+            times = [ttft_persistent(core, prompt, hits) for _ in range(3)]
         except Exception as exc:  # noqa: BLE001
             rep.error(f"{shape}/repeated prompt", exc)
-            cold, warm, hits = float("nan"), float("nan"), [-1, -1]
+            times, hits = [float("nan")] * 3, [-1] * 3
         rep.table(f"Persistent lane, repeated {S.repeat_prompt:,}-token prompt, {shape}, prefix caching on",
                   ["request", "TTFT ms", "prompt tokens from the prefix cache"],
-                  [["first (cold)", cold, hits[0]], ["repeat (prefix cached)", warm, hits[1]]],
-                  "The repeat prefills only the tokens past the last full cached page (at most 16).")
+                  [["first (cold)", times[0], hits[0]], ["repeat (prefix cached)", times[1], hits[1]],
+                   ["repeat again", times[2], hits[2]]],
+                  "The repeats prefill only the tokens past the last full cached page (at most 16). The warm-up "
+                  "ran a 16-token prefill first: the first forward of at most 16 tokens in a process compiles the "
+                  "decode MoE kernels (NVRTC), which a repeat measured before it would pay.")
         if sweep:
             _sweep(rep, args, core)
     finally:
@@ -746,8 +807,7 @@ def _sweep(rep: Report, args, core) -> None:
     graphs = core.runner.graphs
     t0 = time.perf_counter()
     if graphs is not None:
-        for size in graphs.batch_sizes:
-            graphs._capture(size)
+        graphs.capture_all()
     capture_s = time.perf_counter() - t0
     steps: list[tuple[int, int]] = []  # (sequences, tokens) of every forward
     execute = core.runner.execute
@@ -822,6 +882,7 @@ def _sweep_one(core, c: int, args, steps: list) -> list:
 
 MOE_TILES = {  # tokens -> alternatives for the block height pick_block_m gives them (120b: 128 experts, top 4)
     64: [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 3), (32, 128, 2, 3), (64, 128, 8, 4)],
+    128: [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 3), (32, 128, 4, 4)],
     1024: [(64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3)],
     8192: [(128, 64, 8, 3), (128, 64, 4, 3), (256, 64, 8, 3), (128, 128, 8, 4)],
 }

@@ -253,6 +253,18 @@ class DecodeOps:
         return rope_kv_write_reference(qkv, cos_table, sin_table, position, block_table, key_plane, value_plane,
                                        attn.num_heads, attn.num_kv_heads)
 
+    def prefill_rope_kv(self, attn, qkv, cos_table, sin_table, positions, slots, key_plane, value_plane):
+        """The eager forward's RoPE + KV write for ``T`` tokens of any mix of sequences: rotate q/k of ``qkv``
+        ``[T, (H + 2 KVH) D]`` (``attn``'s fused projection) at ``positions`` ``[T]``, write k/v at ``slots``
+        ``[T]`` (``AttentionMetadata.slot_mapping``), return q ``[T, H, D]``. One Triton launch when ``triton``
+        (:func:`~replicas.kernels.triton_prefill_rope_kv.triton_prefill_rope_kv`), its torch reference
+        elsewhere; ``attn`` has ``num_heads``, ``num_kv_heads``."""
+        from replicas.kernels import triton_prefill_rope_kv as rk
+
+        fn = rk.triton_prefill_rope_kv if self.triton else rk.prefill_rope_kv_reference
+        return fn(qkv, cos_table, sin_table, positions, slots, key_plane, value_plane, attn.num_heads,
+                  attn.num_kv_heads)
+
     def decode_attention(self, query, key_plane, value_plane, block_table, context_len, scale, *, sinks=None,
                          sliding_window=None, workspace=None):
         """One query token per sequence over its paged context: the Triton kernel on a GPU

@@ -143,6 +143,17 @@ def paged_attention(
     if not (query.is_cuda and meta.kernels):
         return paged_attention_reference(query, key_plane, value_plane, meta, scale, sinks=sinks,
                                          sliding_window=sliding_window)
+    return prefill_attention(query, key_plane, value_plane, meta, scale, sinks=sinks, sliding_window=sliding_window)
+
+
+def prefill_attention(
+    query: torch.Tensor, key_plane: torch.Tensor, value_plane: torch.Tensor,
+    meta: AttentionMetadata, scale: float, *,
+    sinks: torch.Tensor | None = None, sliding_window: int | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention` through the Triton prefill kernel on any device Triton runs on (a GPU, or the
+    CPU under Triton's interpreter): one launch for the whole batch; the tile map is built once per forward
+    and kept in ``meta.cache``. Same arguments and result as :func:`paged_attention_reference`."""
     from replicas.kernels import prefill_attention as pa
 
     dev = meta.device_view(query.device)

@@ -181,8 +181,9 @@ def triton_decode_attention(
             context_len: ``[B]`` int64 (on the device; 0 marks a padding row, whose output is 0).
         num_splits: programs per KV head along the context (split-K; 1: no merge launch); None:
             :func:`default_splits`.
-        workspace: optional dict reused across calls for the partial buffers (keeps a
-            captured graph's allocations fixed).
+        workspace: optional dict reused across calls for the partial buffers (:func:`partial_buffers`:
+            a buffer handed to a launch stays allocated as long as the dict, so captured graphs of any batch
+            size sharing it stay valid).
 
     Returns:
         ``[B, H, D]`` in ``query.dtype``.
@@ -205,19 +206,41 @@ def triton_decode_attention(
                                        out_ptr=out, FINAL=True, HAS_SINKS=sinks is not None, BLOCK=ONE_PASS_BLOCK,
                                        num_warps=ONE_PASS_WARPS, **common)
         return out
-    ws = workspace if workspace is not None else {}
-    key = (batch, kvh, num_splits, gp, head_dim, query.device)
-    if ws.get("key") != key:
-        rows = batch * kvh * num_splits * gp
-        ws.update(key=key,
-                  m=torch.empty(rows, dtype=torch.float32, device=query.device),
-                  l=torch.empty(rows, dtype=torch.float32, device=query.device),
-                  o=torch.empty(rows, head_dim, dtype=torch.float32, device=query.device))
-    _split_kernel[(kvh, num_splits, batch)](*args, ws["m"], ws["l"], ws["o"], *strides, BLOCK=TOKENS_PER_ITER,
+    part_m, part_l, part_o = partial_buffers(workspace if workspace is not None else {},
+                                             batch * kvh * num_splits * gp, head_dim, query.device)
+    _split_kernel[(kvh, num_splits, batch)](*args, part_m, part_l, part_o, *strides, BLOCK=TOKENS_PER_ITER,
                                             **common)
     _merge_kernel[(kvh, group, batch)](
-        ws["m"], ws["l"], ws["o"], sinks if sinks is not None else q, out, num_splits, kvh,
+        part_m, part_l, part_o, sinks if sinks is not None else q, out, num_splits, kvh,
         G=group, GP=gp, D=head_dim, SPLITS_P=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
         **pdl_args(q, pdl),
     )
     return out
+
+
+def partial_buffers(workspace: dict, rows: int, head_dim: int, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split-K partials of ``rows`` (sequence, KV head, split, head) rows: running maxima ``[rows]``,
+    denominators ``[rows]`` and weighted sums ``[rows, head_dim]``, fp32, kept in ``workspace``.
+
+    A CUDA graph replays the raw addresses it was captured with, and the standard lane's decode graphs of
+    every batch size (and the persistent lane's quanta) share one workspace per model. So a buffer once
+    handed to a launch is never freed while ``workspace`` lives: the buffers are prefix views of an arena
+    that only grows (to at least twice its size), and the views of an outgrown arena stay cached here,
+    keeping it allocated. (Freed, its memory would be returned to the driver by the
+    ``torch.cuda.empty_cache()`` that every ``torch.cuda.graph`` capture starts with, and replaying a graph
+    captured before would then fault.) The views are cached per size: one dict lookup per call.
+    """
+    views = workspace.setdefault("partials", {})
+    key = (rows, head_dim, device)
+    got = views.get(key)
+    if got is None:
+        arena = workspace.get("partials_arena")
+        if arena is None or arena[0].shape[0] < rows or arena[2].shape[1] != head_dim or arena[0].device != device:
+            size = max(rows, 2 * arena[0].shape[0]) if arena is not None and arena[0].device == device else rows
+            arena = (torch.empty(size, dtype=torch.float32, device=device),
+                     torch.empty(size, dtype=torch.float32, device=device),
+                     torch.empty(size, head_dim, dtype=torch.float32, device=device))
+            workspace["partials_arena"] = arena
+        got = views[key] = (arena[0][:rows], arena[1][:rows], arena[2][:rows])
+    return got

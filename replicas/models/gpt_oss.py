@@ -32,7 +32,12 @@ from replicas.kernels.decode_ops import DecodeOps
 from replicas.kernels.moe import DECODE_MAX_TOKENS
 from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, MXFP4Error, check_mxfp4
 from replicas.kernels.moe.reference import moe_reference
-from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from replicas.kernels.paged_attention import (
+    AttentionMetadata,
+    paged_attention,
+    prefill_attention,
+    write_kv,
+)
 from replicas.kernels.reference import apply_rope_half
 from replicas.models.gpt_oss_config import GptOssConfig, YarnScaling
 from replicas.models.layers import RMSNorm
@@ -261,6 +266,8 @@ class GptOssForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_planes: KVPlanes) -> torch.Tensor:
+        if meta.kernels and self.ops.triton and self.layered_kernel_forward:
+            return self.forward_kernels(input_ids, meta, kv_planes)
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos = self.rope_cos[meta.positions].to(x.dtype)  # [T, D/2]
         sin = self.rope_sin[meta.positions].to(x.dtype)
@@ -268,6 +275,44 @@ class GptOssForCausalLM(nn.Module):
             x = layer(x, cos, sin, meta, planes)
         x = self.model.norm(x[meta.last_token_indices.to(x.device)])  # [B, hidden]
         return self.lm_head(x).float()  # [B, vocab]
+
+    def forward_kernels(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_planes: KVPlanes) -> torch.Tensor:
+        """:meth:`forward` through the kernels (``meta.kernels`` and Triton ops: the GPU's prefill and mixed
+        standard-lane steps; the CPU under Triton's interpreter in tests), laid out as :meth:`decode_static`:
+        per layer the fused qkv GEMM, one RoPE + KV-write launch for all ``T`` tokens
+        (:meth:`DecodeOps.prefill_rope_kv`), one prefill-attention launch
+        (:func:`~replicas.kernels.paged_attention.prefill_attention`), the o_proj GEMM, the residual add +
+        RMSNorm + router + top-k (:meth:`DecodeOps.add_rmsnorm_route`), and the MoE whose per-expert fp32
+        partials the next add + RMSNorm launch sums with the residual (:meth:`DecodeOps.moe_add_rmsnorm`:
+        above :data:`~replicas.kernels.moe.DECODE_MAX_TOKENS` tokens the grouped GEMMs, three grouping
+        launches and two GEMMs). RoPE runs in fp32 from the fp32 tables (the torch path rotates in the
+        activations' dtype); the MoE's partials are added to the residual in fp32 and rounded once.
+
+        Returns:
+            ``[B, vocab]`` fp32 logits of each sequence's last new token.
+        """
+        ops = self.ops
+        layers = self.model.layers
+        t = input_ids.shape[0]
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        _, h = ops.add_rmsnorm(x, None, layers[0].input_layernorm, True)
+        mx = ops.takes_mxfp4_activations and t <= DECODE_MAX_TOKENS  # the decode MoE kernels' activation format
+        for i, (layer, (kp, vp)) in enumerate(zip(layers, kv_planes, strict=True)):
+            attn = layer.self_attn
+            q = ops.prefill_rope_kv(attn, attn.qkv_proj(h, ops.linear), self.rope_cos, self.rope_sin,
+                                    meta.positions, meta.slot_mapping, kp, vp)  # [T, H, D]
+            o = prefill_attention(q, kp, vp, meta, attn.scale, sinks=attn.sinks, sliding_window=attn.sliding_window)
+            o = ops.linear(o.reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias)
+            x, h, h_mx, weights, ids = ops.add_rmsnorm_route(x, o, layer.post_attention_layernorm, layer.mlp.router,
+                                                             mxfp4_out=mx, workspace=self._decode_workspace)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = ops.moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True, x_mxfp4=h_mx)
+        return self.lm_head(h[meta.last_token_indices.to(h.device)]).float()  # [B, vocab]
+
+    layered_kernel_forward = True
+    """With the kernels (``meta.kernels`` and Triton ops), :meth:`forward` runs :meth:`forward_kernels`; False
+    runs the layer modules with the prefill attention and the MoE kernels only (a benchmark's comparison, as
+    ``ops/bench/prefill.py`` measures both; serving keeps True)."""
 
     config_class = GptOssConfig
     """The config type ``config.json`` parses into."""

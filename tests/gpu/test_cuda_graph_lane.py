@@ -87,17 +87,25 @@ def test_smollm2_real_weights_20_prompts_x_128_tokens():
     _lanes_agree(core, 49152)
 
 
+GPT_OSS_PAGES = 20 * -(-(300 + 128) // 16) + 8
+"""KV pages for the 20 prompts (up to 300 tokens, 128 new) decoding all at once: with ``dummy_core``'s default
+(two 512-token sequences) the scheduler could hold only a few at a time, and the large buckets never ran."""
+
+
 def test_small_random_gpt_oss_20_prompts_x_128_tokens():
     from ops.tools.make_tiny_gpt_oss import real_config
 
-    core = dummy_core({**real_config("20b"), **SMALL_GPT_OSS}, torch.float32, max_model_len=512)
+    core = dummy_core({**real_config("20b"), **SMALL_GPT_OSS}, torch.float32, max_model_len=512,
+                      num_kv_blocks=GPT_OSS_PAGES)
     core.model.lm_head.weight.data.mul_(20)
-    assert core.runner.graphs is not None and core.runner.graphs.batch_sizes[-1] == 256
+    graphs = core.runner.graphs
+    assert graphs is not None and graphs.batch_sizes[-1] == 256
     # 16 sequences at once (the batch-one kernels' limit): the last 4 prompts decode in the 4-bucket
     _lanes_agree(core, SMALL_GPT_OSS["vocab_size"], max_num_seqs=16)
+    assert {16, 4} <= set(graphs._graphs), sorted(graphs._graphs)
     # all 20 at once: the 32-bucket graph, its MoE through the grouped MXFP4 GEMMs
     _lanes_agree(core, SMALL_GPT_OSS["vocab_size"])
-    assert 32 in core.runner.graphs._graphs
+    assert 32 in graphs._graphs and not graphs._failed, (sorted(graphs._graphs), sorted(graphs._failed))
 
 
 class _LetterTokenizer:
@@ -162,3 +170,48 @@ def test_host_checks_on_captured_quanta_match_the_standard_lane():
         assert got == expected[rid], rid
         assert core.allocator.num_free == core.allocator.num_blocks
     assert len(cases) > 100 and lane.min_tokens_recomputes > 0 and not lane.backend._in_flight
+
+
+
+
+def test_decode_graphs_captured_smallest_first_then_replayed():
+    """The order that made the first issue-18 H200 run fault at 16 sequences: every bucket captured up front,
+    smallest first, then ``empty_cache`` (each capture starts with one), then 1, 8 and 16 sequences decoding
+    through graphs captured before larger ones. The graphs of every bucket share the decode attention's
+    workspace; replayed, they must find their buffers allocated. Tokens equal the eager engine's."""
+    from ops.tools.make_tiny_gpt_oss import real_config
+    from replicas.engine import LLMEngine
+    from replicas.request import SamplingParams
+    from replicas.scheduler import SchedulerConfig
+
+    core = dummy_core({**real_config("20b"), **SMALL_GPT_OSS}, torch.float32, max_model_len=512,
+                      num_kv_blocks=GPT_OSS_PAGES)
+    core.model.lm_head.weight.data.mul_(20)
+    graphs = core.runner.graphs
+    for size in graphs.batch_sizes[:7]:  # 1 .. 48, smallest first (DecodeGraphs.capture_all goes largest first)
+        graphs._capture(size)
+    torch.cuda.empty_cache()
+    g = torch.Generator().manual_seed(11)
+    vocab = SMALL_GPT_OSS["vocab_size"]
+    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist() for n in torch.randint(20, 300, (16,), generator=g)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(batch):
+        engine = LLMEngine(core, SchedulerConfig(256, 4096, True))
+        for i, p in enumerate(batch):
+            engine.add_request(f"r{i}", p, params)
+        out = {f"r{i}": [] for i in range(len(batch))}
+        while engine.has_unfinished():
+            for ch in engine.step():
+                out[ch.request_id] += ch.token_ids
+        assert core.allocator.num_free == core.allocator.num_blocks
+        return [out[f"r{i}"] for i in range(len(batch))]
+
+    replays = graphs.replays
+    with_graphs = [run(prompts[:c]) for c in (1, 8, 16)]
+    torch.cuda.synchronize()
+    assert graphs.replays > replays
+    core.runner.graphs = None
+    eager = [run(prompts[:c]) for c in (1, 8, 16)]
+    core.runner.graphs = graphs
+    assert with_graphs == eager

@@ -100,6 +100,22 @@ def test_default_tiles_long_chunk_after_cached_context():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_prefix_cached_repeat_chunk_is_one_tile_per_kv_head():
+    """The persistent lane's repeat of a 2,000-token prompt prefills the 16 tokens past 1,984 cached ones: at
+    GPT-OSS's heads (64 query, 8 KV) that is one program per KV head, whatever the cached length (no work per
+    cached page on the host), and the kernel gives the reference's output over the 2,000 keys."""
+    block_t = pa.tokens_per_tile(64, 8)
+    assert block_t == 16 and pa.num_tiles_for([16], block_t) == 1 and pa.num_tiles_for([2000], block_t) == 125
+    q, kp, vp, meta = make_batch([16], [2000], 64, 8, head_dim=16, blocks=126, seed=4)
+    seq, first = pa.tile_map(meta.device_view(q.device).query_start, block_t, 1)
+    assert seq.tolist() == [0] and first.tolist() == [0]
+    sinks = torch.randn(64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    for window in (None, 128):
+        want = paged_attention_reference(q, kp, vp, meta, 0.25, sinks=sinks, sliding_window=window)
+        torch.testing.assert_close(run_kernel(q, kp, vp, meta, 0.25, sinks=sinks, sliding_window=window), want,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_tile_map_and_flops():
     starts = torch.tensor([0, 5, 6, 40], device=DEVICE)
     seq, first = pa.tile_map(starts, 16, pa.num_tiles_for([5, 1, 34], 16))

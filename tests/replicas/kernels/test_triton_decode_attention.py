@@ -54,7 +54,9 @@ def test_default_split_count(heads, kv_heads, ctx):
     q, kp, vp, table, c = _case(heads, kv_heads, 64, ctx, seed=5)
     ws: dict = {}
     got = triton_decode_attention(q, kp, vp, table, c, 0.125, workspace=ws)
-    assert ws["key"][2] == default_splits(kv_heads, 1)  # the split count the partial buffers were sized for
+    gp = max(16, triton.next_power_of_2(heads // kv_heads))
+    (rows, _, _), = ws["partials"]  # the partial buffers were sized for the default split count
+    assert rows == kv_heads * default_splits(kv_heads, 1) * gp
     torch.testing.assert_close(got, static_decode_attention(q, kp, vp, table, c, 0.125), rtol=1e-4, atol=1e-4)
 
 
@@ -118,3 +120,40 @@ def test_one_pass_window_for_a_batch_with_a_padding_row():
                                       0.25, sinks=sinks, sliding_window=20)
         torch.testing.assert_close(ours[row:row + 1], ref, rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(ours[1]) == 0
+
+
+def _tensors(obj):
+    """Every tensor inside ``obj`` (dicts, lists and tuples searched)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def test_workspace_buffers_outlive_every_batch_size():
+    """One workspace serves every batch size (the standard lane's decode graphs and the persistent lane's quanta
+    share the model's): a buffer it once handed to a launch must stay allocated, since a CUDA graph captured
+    with it replays its raw address, and a freed buffer is returned to the driver by the ``empty_cache`` each
+    later capture starts with (the illegal memory access of ``docs/benchmarks.md``'s first issue-18 H200 run).
+    Batch sizes 1, 3, 2, 1: every tensor the workspace held stays alive, batch one reuses its first buffers,
+    and the results stay the reference's."""
+    import weakref
+
+    ws: dict = {}
+    seen: list[weakref.ref] = []
+    first_ptrs = None
+    for i, contexts in enumerate(([60], [40, 60, 17], [30, 5], [60])):
+        q, kp, vp, table, ctx, _ = _staged_batch(contexts, heads=8, seed=11 + i)
+        got = triton_decode_attention(q, kp, vp, table, ctx, 0.25, num_splits=4, workspace=ws)
+        want = static_decode_attention(q, kp, vp, table.contiguous(), ctx.contiguous(), 0.25)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        ptrs = sorted(t.data_ptr() for t in _tensors(ws))
+        if i == 0:
+            first_ptrs = ptrs
+        seen += [weakref.ref(t) for t in _tensors(ws)]
+    assert all(r() is not None for r in seen), "a buffer a launch wrote was freed"
+    assert set(first_ptrs) <= set(t.data_ptr() for t in _tensors(ws))

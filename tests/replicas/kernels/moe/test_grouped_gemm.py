@@ -128,3 +128,23 @@ def test_grouping_on_device():
     # decode batches: 16 rows; 1,024 tokens x 4 of 128 experts (mean 32): 64; long prompts: 128
     assert mg.pick_block_m(4, 128) == 16 and mg.pick_block_m(1024, 128) == 16
     assert mg.pick_block_m(4096, 128) == 64 and mg.pick_block_m(32768, 32) == 128
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(3, 2, 5, 2), (1, 4, 128, 16), (75, 4, 32, 16),
+                                                          (40, 4, 6, 64), (333, 2, 128, 128),
+                                                          (1100, 2, 32, 16)])
+def test_triton_grouping_equals_torch_grouping(tokens, top_k, experts, block_m):
+    """The three-launch Triton grouping gives :func:`group_by_expert`'s tensors exactly: several 64-pair chunks
+    (333 x 2), more than the 32 chunks its offsets program reads at a time (1,100 x 2), experts that are not a
+    power of two, empty experts (1 token of 128), experts longer than one
+    block; the block map's unused tail included."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    if tokens == 75:  # skewed: half the pairs on expert 3
+        ids[::2, 0] = 3
+    want = mg.group_by_expert(ids, experts, block_m)
+    got = mg.triton_group_by_expert(ids, experts, block_m)
+    assert got.max_blocks == want.max_blocks and got.block_m == want.block_m
+    for name in ("order", "expert_start", "block_expert", "block_row"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype == torch.int32 and a.tolist() == b.tolist(), name
