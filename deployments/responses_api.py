@@ -48,7 +48,7 @@ class ResponsesFunctionTool(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: Literal["function"]
-    name: str
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
@@ -63,7 +63,7 @@ class TextFormat(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"] = "text"
-    name: str = "response"
+    name: str = Field("response", min_length=1, max_length=64)
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -191,19 +191,19 @@ def to_chat_request(body: ResponsesRequest, model: str) -> ChatCompletionRequest
             fields[key] = getattr(body, key)
     if body.reasoning is not None and body.reasoning.effort:
         fields["reasoning_effort"] = body.reasoning.effort
-    if body.tools:
-        fields["tools"] = [ToolParam(function=FunctionDefinition(
-            name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)) for t in body.tools]
-    if isinstance(body.tool_choice, str):
-        fields["tool_choice"] = body.tool_choice
-    elif body.tool_choice is not None:
-        fields["tool_choice"] = NamedToolChoice(function=NamedFunction(name=body.tool_choice.name))
-    fmt = body.text.format if body.text is not None else None
-    if fmt is not None and fmt.type != "text":
-        fields["response_format"] = ResponseFormat(type=fmt.type, json_schema=JsonSchemaFormat(
-            name=fmt.name, description=fmt.description, schema=fmt.schema_, strict=fmt.strict)
-            if fmt.type == "json_schema" else None)
-    try:
+    try:  # the chat request's own models check what the Responses models let through
+        if body.tools:
+            fields["tools"] = [ToolParam(function=FunctionDefinition(
+                name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)) for t in body.tools]
+        if isinstance(body.tool_choice, str):
+            fields["tool_choice"] = body.tool_choice
+        elif body.tool_choice is not None:
+            fields["tool_choice"] = NamedToolChoice(function=NamedFunction(name=body.tool_choice.name))
+        fmt = body.text.format if body.text is not None else None
+        if fmt is not None and fmt.type != "text":
+            fields["response_format"] = ResponseFormat(type=fmt.type, json_schema=JsonSchemaFormat(
+                name=fmt.name, description=fmt.description, schema=fmt.schema_, strict=fmt.strict)
+                if fmt.type == "json_schema" else None)
         chat = ChatCompletionRequest(**fields)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from exc

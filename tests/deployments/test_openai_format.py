@@ -590,3 +590,27 @@ def test_tokenize_needs_exactly_one_input(tokenizer):
     for req in (TokenizeRequest(), TokenizeRequest(prompt="a", messages=FRANCE)):
         with pytest.raises(OpenAIError):
             tokenize(tokenizer, req, 1024)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function", "name": ""}]}, "tools.0.name"),
+    ({"tools": [{"type": "function", "name": "has space"}]}, "tools.0.name"),
+    ({"text": {"format": {"type": "json_schema", "name": ""}}}, "text.format.name"),
+])
+def test_responses_request_rejects_what_the_chat_request_would(fields, param):
+    """A Responses body the chat request cannot carry is a 400 naming the field (schemathesis found a
+    tool named ``""`` raised a bare ValidationError: HTTP 500)."""
+    from pydantic import ValidationError
+
+    from deployments.protocol import validation_error
+    from deployments.responses_api import ResponsesRequest, to_chat_request
+
+    try:
+        body = ResponsesRequest(input="hi", **fields)
+    except ValidationError as exc:  # FastAPI answers this one with a 400 itself
+        err = validation_error(exc.errors())
+    else:  # anything past the body model must come out of to_chat_request as an OpenAIError
+        with pytest.raises(OpenAIError) as info:
+            to_chat_request(body, "m")
+        err = info.value
+    assert err.status == 400 and err.param == param, (err.param, str(err))
