@@ -359,13 +359,13 @@ class OpenAIIngress:
             override = self._lane_override(http)
             prompts = prompts or [(ids, echo)]
             requests = [self._request(body, p_ids, plan) for p_ids, _ in prompts]
-            for g in requests:
-                g.lane_override = override
-            span.set_attributes({ATTR_REQUEST_ID: ",".join(g.request_id for g in requests),
+            for request in requests:
+                request.lane_override = override
+            span.set_attributes({ATTR_REQUEST_ID: ",".join(request.request_id for request in requests),
                                  ATTR_GEN_AI_INPUT_TOKENS: sum(len(p_ids) for p_ids, _ in prompts),
                                  ATTR_GEN_AI_MAX_TOKENS: requests[0].params.max_tokens})
             context = trace.set_span_in_context(span)
-            streams = [self.router.generate(g, context, arrival) for g in requests]
+            streams = [self.router.generate(request, context, arrival) for request in requests]
             merged = streams[0] if len(streams) == 1 else merge_prompt_streams(streams, body.n)
             stream = _traced(merged, span, owned)
         except OpenAIError as exc:

@@ -175,38 +175,38 @@ class _EngineReplica:
                 break
         self._callers.pop(actor_id, None)
 
-    async def generate(self, g: GenerateRequest):
-        """Stream the engine actor's events for ``g`` (see ``replicas.messages``); the persistent
+    async def generate(self, request: GenerateRequest):
+        """Stream the engine actor's events for ``request`` (see ``replicas.messages``); the persistent
         pool first yields :class:`Started` so the router knows a replica took the request.
 
-        Opens span ``replica.generate`` (child of the caller's span named by ``g.trace_context``)
-        and hands the actor ``g`` with this span's trace context. If the engine process dies, the
+        Opens span ``replica.generate`` (child of the caller's span named by ``request.trace_context``)
+        and hands the actor ``request`` with this span's trace context. If the engine process dies, the
         request ends with a :class:`GenerationError` (reason ``engine_died``); while the engine
         restarts, a persistent replica answers :class:`Rejection` (``decoder_unhealthy``).
         """
-        async for item in self._stream(g, self.lane if self.lane != "colocated" else "standard"):
+        async for item in self._stream(request, self.lane if self.lane != "colocated" else "standard"):
             yield item
 
-    async def _stream(self, g: GenerateRequest, lane: str):
+    async def _stream(self, request: GenerateRequest, lane: str):
         if lane == "persistent":
-            yield Started(g.request_id)
+            yield Started(request.request_id)
             if self._engine_down:
-                yield Rejection(g.request_id, "decoder_unhealthy", detail="the engine is restarting")
+                yield Rejection(request.request_id, "decoder_unhealthy", detail="the engine is restarting")
                 return
-        span = get_tracer().start_span(SPAN_REPLICA, context=extract_context(g.trace_context),
-                                       attributes={ATTR_LANE: lane, ATTR_REQUEST_ID: g.request_id})
-        caller, g = g.caller, dataclasses.replace(g, trace_context=inject_context(span), caller=None)
-        args = (g, lane) if self.lane == "colocated" else (g,)
+        span = get_tracer().start_span(SPAN_REPLICA, context=extract_context(request.trace_context),
+                                       attributes={ATTR_LANE: lane, ATTR_REQUEST_ID: request.request_id})
+        caller, request = request.caller, dataclasses.replace(request, trace_context=inject_context(span), caller=None)
+        args = (request, lane) if self.lane == "colocated" else (request,)
         stream = self.actor.generate.options(num_returns="streaming").remote(*args)
         if caller is not None:
-            self._watch_caller(caller, g.request_id, stream)
+            self._watch_caller(caller, request.request_id, stream)
         finished = False
         try:
             async for ref in stream:
                 yield await ref
             finished = True
         except ray.exceptions.TaskCancelledError:
-            if g.request_id not in self._orphaned:
+            if request.request_id not in self._orphaned:
                 raise
             finished = True  # its ingress died: the engine stopped it and freed its pages
             span.set_attribute("error.type", "caller_died")
@@ -214,13 +214,13 @@ class _EngineReplica:
             finished = True
             self._engine_died()
             span.set_attribute("error.type", ENGINE_DIED)
-            yield GenerationError(g.request_id, f"the {lane} engine serving this request died ({type(exc).__name__}); "
+            yield GenerationError(request.request_id, f"the {lane} engine serving this request died ({type(exc).__name__}); "
                                   "the request was lost, retry it", lane, "postlaunch", ENGINE_DIED)
         finally:
             span.end()
-            self._orphaned.discard(g.request_id)
+            self._orphaned.discard(request.request_id)
             if caller is not None and caller[0] in self._callers:
-                self._callers[caller[0]]["streams"].pop(g.request_id, None)
+                self._callers[caller[0]]["streams"].pop(request.request_id, None)
             if not finished:  # the caller went away (client disconnect): stop the actor's work too
                 ray.cancel(stream)
 
@@ -282,10 +282,10 @@ class ColocatedReplica(_EngineReplica):
         super().__init__(config, engine_num_cpus, engine_num_gpus)
         self._unhealthy_since: float | None = None
 
-    async def generate_persistent(self, g: GenerateRequest):
-        """The persistent entry: :class:`Started`, then the persistent lane's events for ``g`` (a busy lane
+    async def generate_persistent(self, request: GenerateRequest):
+        """The persistent entry: :class:`Started`, then the persistent lane's events for ``request`` (a busy lane
         answers at once with a ``queued_work`` rejection: the router spills it)."""
-        async for item in self._stream(g, "persistent"):
+        async for item in self._stream(request, "persistent"):
             yield item
 
     async def check_health(self) -> None:

@@ -239,20 +239,20 @@ class Router:
         return self.estimator.wait_budget(free, self.spillover_wait_s, time.monotonic())
 
     # ---- routing ---------------------------------------------------------------------------
-    def decide(self, g: GenerateRequest):
-        """The lane decision for ``g`` (pure: policy admission + lane choice)."""
-        if g.lane_override == Lane.STANDARD.value:
+    def decide(self, request: GenerateRequest):
+        """The lane decision for ``request`` (pure: policy admission + lane choice)."""
+        if request.lane_override == Lane.STANDARD.value:
             return LaneDecision(Lane.STANDARD, None)
         enabled = self.mode is not Mode.OFF and self.persistent is not None
-        reason = check_admission(g.admission_input(self.max_model_len, enabled=enabled))
+        reason = check_admission(request.admission_input(self.max_model_len, enabled=enabled))
         return choose_lane(self.mode, reason, self._status())
 
-    async def _take_persistent(self, g: GenerateRequest, wait_s: float):
-        """Send ``g`` to the persistent pool; the stream once a replica took it (first item
+    async def _take_persistent(self, request: GenerateRequest, wait_s: float):
+        """Send ``request`` to the persistent pool; the stream once a replica took it (first item
         :class:`Started`), else None (still queued after ``wait_s``, or refused by Serve's
         ``max_queued_requests``)."""
         entry = getattr(self.persistent.options(stream=True), self.persistent_entry)
-        stream = entry.remote(g)
+        stream = entry.remote(request)
         first = asyncio.ensure_future(stream.__anext__())
         try:
             done, _ = await asyncio.wait({first}, timeout=wait_s)
@@ -269,7 +269,7 @@ class Router:
             await first
         return None
 
-    async def generate(self, g: GenerateRequest, parent=None,
+    async def generate(self, request: GenerateRequest, parent=None,
                        arrival: float | None = None) -> AsyncIterator[GenerationChunk | GenerationError]:
         """Stream the request's chunks from whichever lane serves it (fallbacks included).
 
@@ -277,17 +277,17 @@ class Router:
         when the standard pool refuses the request (Serve back-pressure).
 
         Args:
-            g: the request.
+            request: the request.
             parent: OpenTelemetry context of the caller's span (the HTTP request span), or None.
             arrival: ``time.monotonic()`` when the HTTP request arrived (latency metrics), or now.
         """
         self._ensure_poller()
-        decision = self.decide(g)
+        decision = self.decide(request)
         span = get_tracer().start_span(SPAN_ROUTE, context=parent, attributes={
-            ATTR_LANE: decision.lane.value, "mode": self.mode.value, "request.id": g.request_id,
-            ATTR_GEN_AI_TEMPERATURE: g.params.temperature,
+            ATTR_LANE: decision.lane.value, "mode": self.mode.value, "request.id": request.request_id,
+            ATTR_GEN_AI_TEMPERATURE: request.params.temperature,
             **({ATTR_REASON: decision.reason.value} if decision.reason else {}),
-            **({"lane.forced": g.lane_override} if g.lane_override else {}),
+            **({"lane.forced": request.lane_override} if request.lane_override else {}),
         })
         clock = RequestClock(arrival)
         fell_back = False  # once true, downstream hops are sampled (fallback traces are always kept)
@@ -299,18 +299,18 @@ class Router:
                 self.served[item.lane] += 1
                 counted = True
 
-        def hop(request: GenerateRequest) -> GenerateRequest:
-            return dataclasses.replace(request, trace_context=inject_context(span, force_sample=fell_back),
+        def hop(outgoing: GenerateRequest) -> GenerateRequest:
+            return dataclasses.replace(outgoing, trace_context=inject_context(span, force_sample=fell_back),
                                        caller=self.caller)
 
         try:
             lane = decision.lane
             if lane is Lane.STANDARD and decision.reason is not None and self.mode is not Mode.OFF:
-                self._fallback(span, decision.reason.value, "prelaunch", g.request_id)
+                self._fallback(span, decision.reason.value, "prelaunch", request.request_id)
                 fell_back = True
             if lane is Lane.PERSISTENT:
                 served = _Outcome(done=True)
-                async with contextlib.aclosing(self._persistent(g, hop, span, clock)) as items:
+                async with contextlib.aclosing(self._persistent(request, hop, span, clock)) as items:
                     async for item in items:
                         if isinstance(item, _Outcome):
                             served = item
@@ -318,12 +318,12 @@ class Router:
                             count(item)
                             yield item
                 if served.spilled:
-                    g = dataclasses.replace(g, spilled=True)
+                    request = dataclasses.replace(request, spilled=True)
                 if served.fell_back:
                     fell_back = True
                 if served.done:
                     return
-            async for item in self._standard(hop(g), span):
+            async for item in self._standard(hop(request), span):
                 clock.chunk(item)
                 count(item)
                 yield item
@@ -331,13 +331,13 @@ class Router:
             clock.finish(get_metrics())
             span.end()
 
-    async def _standard(self, g: GenerateRequest, span) -> AsyncIterator[GenerationChunk | GenerationError]:
-        """The standard lane's stream for ``g``; sent again (``STANDARD_RETRIES``) when its replica or engine
+    async def _standard(self, request: GenerateRequest, span) -> AsyncIterator[GenerationChunk | GenerationError]:
+        """The standard lane's stream for ``request``; sent again (``STANDARD_RETRIES``) when its replica or engine
         died before any output, an error event when it died after, 503 items when Serve refuses it."""
         for attempt in range(STANDARD_RETRIES + 1):
             delivered, timed = False, False
             dispatched = time.monotonic()
-            stream = _ended_by_error(self.standard.options(stream=True).generate.remote(g), g.request_id,
+            stream = _ended_by_error(self.standard.options(stream=True).generate.remote(request), request.request_id,
                                      Lane.STANDARD.value)
             try:
                 async for item in stream:
@@ -357,13 +357,13 @@ class Router:
             except BackPressureError as exc:
                 self.overloaded += 1
                 span.set_attribute("overloaded", True)
-                yield GenerationError(g.request_id, f"the server is overloaded, retry later ({exc})",
+                yield GenerationError(request.request_id, f"the server is overloaded, retry later ({exc})",
                                       Lane.STANDARD.value, stage="admission", reason=OVERLOADED)
                 return
             finally:
                 await stream.aclose()
 
-    async def _persistent(self, g: GenerateRequest, hop, span, clock):
+    async def _persistent(self, request: GenerateRequest, hop, span, clock):
         """Try the persistent lane: yields its items, then one :class:`_Outcome` (served there, or
         go standard: spilled for capacity or fell back after a rejection)."""
         wait_s = self._wait_budget()
@@ -371,47 +371,47 @@ class Router:
         if wait_s is not None:
             self.dispatching += 1
             try:
-                stream = await self._take_persistent(hop(g), wait_s)
+                stream = await self._take_persistent(hop(request), wait_s)
             finally:
                 self.dispatching -= 1
         if stream is None:
-            self._spill(span, g.request_id, time.monotonic() - started if wait_s is not None else 0.0)
+            self._spill(span, request.request_id, time.monotonic() - started if wait_s is not None else 0.0)
             yield _Outcome(done=False, spilled=True, fell_back=True)
             return
         rejected = None
         self.in_flight += 1
-        self.estimator.started(g.request_id, g.params.max_tokens, started)
+        self.estimator.started(request.request_id, request.params.max_tokens, started)
         try:
-            async for item in _ended_by_error(stream, g.request_id, Lane.PERSISTENT.value):
+            async for item in _ended_by_error(stream, request.request_id, Lane.PERSISTENT.value):
                 if isinstance(item, Rejection):
                     rejected = item
                     break
                 if isinstance(item, GenerationError) and item.stage == "postlaunch":
                     # terminal for this request: traced, never retried on another lane
-                    self._fallback(span, item.reason, "postlaunch", g.request_id, lane=None)
+                    self._fallback(span, item.reason, "postlaunch", request.request_id, lane=None)
                     self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
                 elif isinstance(item, GenerationChunk):
-                    self.estimator.persistent_chunk(g.request_id, len(item.token_ids), time.monotonic())
+                    self.estimator.persistent_chunk(request.request_id, len(item.token_ids), time.monotonic())
                     if item.fallback_reason:
-                        self._fallback(span, item.fallback_reason, "prelaunch", g.request_id,
+                        self._fallback(span, item.fallback_reason, "prelaunch", request.request_id,
                                        lane="persistent", continued_on="reference_decode")
                 clock.chunk(item)
                 yield item
         finally:
             self.in_flight -= 1
-            self.estimator.finished(g.request_id)
+            self.estimator.finished(request.request_id)
         if rejected is None:
             yield _Outcome(done=True)
             return
         if rejected.reason == Reason.QUEUED_WORK.value:  # the replica was busy after all: a spill
-            self._spill(span, g.request_id, time.monotonic() - started)
+            self._spill(span, request.request_id, time.monotonic() - started)
             yield _Outcome(done=False, spilled=True, fell_back=True)
             return
         if rejected.reason == Reason.DECODER_UNHEALTHY.value:
             self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
         elif rejected.reason == Reason.UNSUPPORTED_ENVELOPE.value:
             self._unsupported_until = time.monotonic() + UNHEALTHY_RETRY_S
-        self._fallback(span, rejected.reason, "prelaunch", g.request_id)
+        self._fallback(span, rejected.reason, "prelaunch", request.request_id)
         span.set_attribute(ATTR_LANE, Lane.STANDARD.value)
         span.set_attribute(ATTR_REASON, rejected.reason)
         yield _Outcome(done=False, fell_back=True)

@@ -258,9 +258,9 @@ class EngineActor:
                 "node_id": _node_id(), "pid": os.getpid()}
 
     def _scheduled(self, request_id: str) -> None:
-        rt = self._requests.get(request_id)
-        if rt is not None:
-            rt.scheduled()
+        request_telemetry = self._requests.get(request_id)
+        if request_telemetry is not None:
+            request_telemetry.scheduled()
 
     def _lane_for(self, lane: str | None) -> str:
         """The lane that serves a request here: this actor's own, or (co-located) the one asked for.
@@ -276,11 +276,11 @@ class EngineActor:
             raise ValueError(f"lane must be standard or persistent, got {lane!r}")
         return lane or "standard"
 
-    async def generate(self, g: GenerateRequest, lane: str | None = None) -> AsyncIterator[Item]:
+    async def generate(self, request: GenerateRequest, lane: str | None = None) -> AsyncIterator[Item]:
         """Stream the events of one request (see :mod:`replicas.messages`).
 
         Args:
-            g: the request.
+            request: the request.
             lane: co-located engines: ``"persistent"`` or ``"standard"`` (default); other engines serve
                 their own lane (None or its name).
 
@@ -292,23 +292,23 @@ class EngineActor:
         out: asyncio.Queue = asyncio.Queue()
         done = False
         cancel = threading.Event()
-        rt = self.telemetry[target].start(g)
+        request_telemetry = self.telemetry[target].start(request)
         if target == "persistent" and not self.colocated:
-            threading.Thread(target=self._persistent_worker, args=(g, cancel, loop, out, rt), daemon=True).start()
+            threading.Thread(target=self._persistent_worker, args=(request, cancel, loop, out, request_telemetry), daemon=True).start()
         elif target == "persistent":
-            self._inbox.put(("persistent", (g, cancel, rt), loop, out))
+            self._inbox.put(("persistent", (request, cancel, request_telemetry), loop, out))
             self._wakeup.set()
         else:
-            self._requests[g.request_id] = rt
-            self._inbox.put(("add", g, loop, out))
+            self._requests[request.request_id] = request_telemetry
+            self._inbox.put(("add", request, loop, out))
             self._wakeup.set()
-        spilled = g.spilled and target == "standard"
+        spilled = request.spilled and target == "standard"
         self._spilled_running += spilled
-        open_choices = g.params.n if target == "standard" else 1
+        open_choices = request.params.n if target == "standard" else 1
         try:
             while not done:
                 item = await out.get()
-                rt.chunk(item)
+                request_telemetry.chunk(item)
                 if _is_last(item):
                     open_choices -= 1
                     done = open_choices == 0 or not isinstance(item, GenerationChunk)
@@ -318,21 +318,21 @@ class EngineActor:
             if not done:  # the caller went away: stop the work and free its pages
                 cancel.set()
                 if target == "standard":
-                    self._inbox.put(("abort", g.request_id, None, None))
+                    self._inbox.put(("abort", request.request_id, None, None))
                     self._wakeup.set()
-            self._requests.pop(g.request_id, None)
-            rt.end()
+            self._requests.pop(request.request_id, None)
+            request_telemetry.end()
             self._publish_gauges()
 
-    def _persistent_worker(self, g, cancel, loop, out, rt=None) -> None:
+    def _persistent_worker(self, request, cancel, loop, out, request_telemetry=None) -> None:
         try:
-            for item in self.persistent.generate(g, cancel, rt):
+            for item in self.persistent.generate(request, cancel, request_telemetry):
                 if not _post(loop, out, item):
                     cancel.set()
             self._publish_gauges()  # pages are back in the pool now
         except Exception as exc:  # noqa: BLE001 - never leave the caller waiting
             logger.exception("persistent lane failed")
-            _post(loop, out, GenerationError(g.request_id, str(exc), "persistent", "engine", "engine_error"))
+            _post(loop, out, GenerationError(request.request_id, str(exc), "persistent", "engine", "engine_error"))
 
     def _engine_loop(self) -> None:
         """The engine thread: drain the inbox, run one standard step, then (co-located) advance each
@@ -370,8 +370,8 @@ class EngineActor:
                     sinks.pop(arg, None)
                     open_choices.pop(arg, None)
                 elif op == "persistent":
-                    g, cancel, rt = arg
-                    jobs.append([self.persistent.generate(g, cancel, rt), g.request_id, loop, out, cancel])
+                    request, cancel, request_telemetry = arg
+                    jobs.append([self.persistent.generate(request, cancel, request_telemetry), request.request_id, loop, out, cancel])
             if not self.engine.has_unfinished() and not jobs:
                 if self.colocated:
                     self._snapshot = self._colocated_stats()

@@ -45,17 +45,17 @@ class RequestTelemetry:
     Created by :meth:`EngineTelemetry.start`; call :meth:`end` exactly once.
     """
 
-    def __init__(self, owner: EngineTelemetry, g) -> None:
+    def __init__(self, owner: EngineTelemetry, request) -> None:
         self._owner = owner
         self._arrival = time.monotonic()
         self._queued = False
         self.output_tokens = 0
         self.finish_reasons: list[str] = []
-        p = g.params
-        self.span = owner.tracer.start_span(SPAN_GENERATION, context=extract_context(g.trace_context), attributes={
-            ATTR_LANE: owner.lane, ATTR_REQUEST_ID: g.request_id, ATTR_GEN_AI_MODEL: owner.model,
+        p = request.params
+        self.span = owner.tracer.start_span(SPAN_GENERATION, context=extract_context(request.trace_context), attributes={
+            ATTR_LANE: owner.lane, ATTR_REQUEST_ID: request.request_id, ATTR_GEN_AI_MODEL: owner.model,
             ATTR_GEN_AI_TEMPERATURE: float(p.temperature), ATTR_GEN_AI_MAX_TOKENS: int(p.max_tokens),
-            ATTR_GEN_AI_INPUT_TOKENS: len(g.prompt_token_ids), **owner.span_settings,
+            ATTR_GEN_AI_INPUT_TOKENS: len(request.prompt_token_ids), **owner.span_settings,
         })
 
     def scheduled(self) -> None:
@@ -125,9 +125,9 @@ class EngineTelemetry:
         self.settings = dict(settings or {})
         self.span_settings = {f"engine.{k}": _attribute(v) for k, v in self.settings.items() if v is not None}
 
-    def start(self, g) -> RequestTelemetry:
-        """Open the ``generation`` span of ``g`` (a ``GenerateRequest``)."""
-        return RequestTelemetry(self, g)
+    def start(self, request) -> RequestTelemetry:
+        """Open the ``generation`` span of ``request`` (a ``GenerateRequest``)."""
+        return RequestTelemetry(self, request)
 
     def gauges(self, stats: dict) -> None:
         """Publish KV page and decoder-health gauges from the engine's ``stats()`` dict."""

@@ -95,8 +95,8 @@ class PersistentLane:
     def busy(self) -> bool:
         return self._busy.locked()
 
-    def _admission(self, g: GenerateRequest) -> str | None:
-        reason = check_admission(g.admission_input(
+    def _admission(self, request: GenerateRequest) -> str | None:
+        reason = check_admission(request.admission_input(
             self.core.config.max_model_len, queued_requests=1 if self.busy else 0))
         if reason is not None:
             return reason.value
@@ -107,7 +107,7 @@ class PersistentLane:
         return None
 
     def generate(
-        self, g: GenerateRequest, cancel: threading.Event | None = None, telemetry=None
+        self, request: GenerateRequest, cancel: threading.Event | None = None, telemetry=None
     ) -> Iterator[GenerationChunk | Rejection | GenerationError]:
         """Serve one request; yields a Rejection, or chunks, or chunks then an error.
 
@@ -115,19 +115,19 @@ class PersistentLane:
         is told when the prefill starts (``scheduled()``) and about every quantum (``quantum(...)``).
         """
         try:
-            self.core.validate_prompt(g.prompt_token_ids, g.params.max_tokens)
+            self.core.validate_prompt(request.prompt_token_ids, request.params.max_tokens)
         except ValueError as exc:
-            yield GenerationError(g.request_id, str(exc), LANE, stage="validation", reason="invalid_request")
+            yield GenerationError(request.request_id, str(exc), LANE, stage="validation", reason="invalid_request")
             return
-        reason = self._admission(g)
+        reason = self._admission(request)
         if reason is not None:
             detail = (self.unhealthy_reason or "") if reason in ("unsupported_envelope", "decoder_unhealthy") else ""
-            yield Rejection(g.request_id, reason, lane=LANE, detail=detail)
+            yield Rejection(request.request_id, reason, lane=LANE, detail=detail)
             return
         if not self._busy.acquire(blocking=False):
-            yield Rejection(g.request_id, "queued_work", lane=LANE)
+            yield Rejection(request.request_id, "queued_work", lane=LANE)
             return
-        req = Request(g.request_id, list(g.prompt_token_ids), g.params)
+        req = Request(request.request_id, list(request.prompt_token_ids), request.params)
         self._clean = True
         try:
             yield from self._run(req, cancel, telemetry)
@@ -208,24 +208,24 @@ class PersistentLane:
                 backend = self._reference if fallback else self.backend
                 pipelined = pipeline and not fallback
                 if ahead is not None:
-                    (qreq, start_ns), ahead = ahead, None
+                    (quantum_request, start_ns), ahead = ahead, None
                 else:
-                    qreq = self._reserve(req, req.num_computed_tokens, req.remaining_output_tokens,
+                    quantum_request = self._reserve(req, req.num_computed_tokens, req.remaining_output_tokens,
                                          req.output_token_ids[-1], cancel)
-                    if qreq is None:
+                    if quantum_request is None:
                         yield GenerationError(req.request_id, "out of KV pages mid-request", LANE,
                                               stage="prelaunch", reason="persistent_capacity")
                         return
                     start_ns = time.time_ns()
                     try:
                         if pipelined:
-                            backend.launch_quantum(qreq)
+                            backend.launch_quantum(quantum_request)
                             result = None
                         else:
-                            result = backend.run_quantum(qreq)
+                            result = backend.run_quantum(quantum_request)
                     except PrelaunchError as exc:
                         if telemetry is not None:
-                            telemetry.quantum(qreq.max_tokens, 0, None, start_ns, time.time_ns(),
+                            telemetry.quantum(quantum_request.max_tokens, 0, None, start_ns, time.time_ns(),
                                               backend=backend.name, error=exc.reason)
                         if fallback:  # the reference path rejected too: nothing more to try
                             yield GenerationError(req.request_id, str(exc), LANE, stage="prelaunch", reason=exc.reason)
@@ -236,26 +236,26 @@ class PersistentLane:
                             self._reference.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
                         continue
                     except Exception as exc:  # noqa: BLE001 - failed after launch: terminal
-                        yield self._terminal(req, backend, qreq, exc, start_ns, telemetry)
+                        yield self._terminal(req, backend, quantum_request, exc, start_ns, telemetry)
                         return
                 if pipelined:
                     try:
-                        ahead = self._launch_follower(req, backend, qreq, cancel)
+                        ahead = self._launch_follower(req, backend, quantum_request, cancel)
                     except Exception as exc:  # noqa: BLE001 - the follower's launch failed: terminal
-                        yield self._terminal(req, backend, qreq, exc, start_ns, telemetry)
+                        yield self._terminal(req, backend, quantum_request, exc, start_ns, telemetry)
                         return
                     try:
                         result = backend.collect_quantum()
                     except Exception as exc:  # noqa: BLE001
-                        yield self._terminal(req, backend, qreq, exc, start_ns, telemetry)
+                        yield self._terminal(req, backend, quantum_request, exc, start_ns, telemetry)
                         return
                 try:
-                    validate_result(qreq, result)
+                    validate_result(quantum_request, result)
                 except Exception as exc:  # noqa: BLE001
-                    yield self._terminal(req, backend, qreq, exc, start_ns, telemetry)
+                    yield self._terminal(req, backend, quantum_request, exc, start_ns, telemetry)
                     return
                 if telemetry is not None:
-                    telemetry.quantum(qreq.max_tokens, len(result.emitted_tokens), result.finish_reason, start_ns,
+                    telemetry.quantum(quantum_request.max_tokens, len(result.emitted_tokens), result.finish_reason, start_ns,
                                       time.time_ns(), backend=backend.name)
                 self.quanta_run += 1
                 banned_at = self._min_tokens_ban_index(req, result.emitted_tokens)
@@ -265,7 +265,7 @@ class PersistentLane:
                         ahead = None
                     try:
                         chunk = self._emit_with_ban(req, detok, result.emitted_tokens[:banned_at],
-                                                    qreq.committed_kv_length + banned_at)
+                                                    quantum_request.committed_kv_length + banned_at)
                     except Exception as exc:  # noqa: BLE001 - a host forward failed; the decoder is fine
                         self._clean = False
                         yield GenerationError(req.request_id, f"decode step failed: {exc}", LANE, stage="decode",
@@ -302,22 +302,22 @@ class PersistentLane:
         core.allocator.grow(req.block_table, committed + size)
         return self._quantum_request(req, pending, committed, size, cancel)
 
-    def _launch_follower(self, req: Request, backend: PipelinedBackend, qreq: QuantumRequest,
+    def _launch_follower(self, req: Request, backend: PipelinedBackend, quantum_request: QuantumRequest,
                          cancel) -> tuple[QuantumRequest, int] | None:
-        """Queue the quantum after ``qreq`` (still running) as if ``qreq`` emits all its tokens; None when
-        nothing would follow (the request ends with ``qreq``, pages are short, or the backend refuses before
-        launch: the next quantum then launches on its own once ``qreq`` is read).
+        """Queue the quantum after ``quantum_request`` (still running) as if ``quantum_request`` emits all its tokens; None when
+        nothing would follow (the request ends with ``quantum_request``, pages are short, or the backend refuses before
+        launch: the next quantum then launches on its own once ``quantum_request`` is read).
 
         Raises:
             BackendLaunchError: the follower's launch failed (terminal for the request).
         """
-        remaining = req.remaining_output_tokens - qreq.max_tokens
-        committed = qreq.committed_kv_length + qreq.max_tokens
+        remaining = req.remaining_output_tokens - quantum_request.max_tokens
+        committed = quantum_request.committed_kv_length + quantum_request.max_tokens
         if remaining <= 0 or committed >= self.core.config.max_model_len - 1:
             return None
         if cancel is not None and cancel.is_set():
             return None
-        nxt = self._reserve(req, committed, remaining, qreq.pending_token, cancel)
+        nxt = self._reserve(req, committed, remaining, quantum_request.pending_token, cancel)
         if nxt is None:
             return None
         start_ns = time.time_ns()
@@ -327,11 +327,11 @@ class PersistentLane:
             return None  # run it unchained once this one is read (it may fall back then)
         return nxt, start_ns
 
-    def _terminal(self, req: Request, backend: PersistentBackend, qreq: QuantumRequest, exc: Exception,
+    def _terminal(self, req: Request, backend: PersistentBackend, quantum_request: QuantumRequest, exc: Exception,
                   start_ns: int, telemetry) -> GenerationError:
         """A failure after launch (or an invalid result): the decoder is marked unhealthy, the request ends."""
         if telemetry is not None:
-            telemetry.quantum(qreq.max_tokens, 0, None, start_ns, time.time_ns(), backend=backend.name,
+            telemetry.quantum(quantum_request.max_tokens, 0, None, start_ns, time.time_ns(), backend=backend.name,
                               error=getattr(exc, "reason", type(exc).__name__))
         self._clean = False  # the cache may hold anything past the prompt now: register none of it
         self.unhealthy_reason = getattr(exc, "reason", BackendLaunchError.reason)

@@ -29,9 +29,9 @@ async def _collect(agen) -> list:
     return [item async for item in agen]
 
 
-async def _abandon_after(actor: EngineActor, g, n: int, timeout_s: float = 8.0):
+async def _abandon_after(actor: EngineActor, request, n: int, timeout_s: float = 8.0):
     """Read ``n`` items, walk away (break + aclose), then poll stats until the pages are back."""
-    agen = actor.generate(g)
+    agen = actor.generate(request)
     got = []
     async for item in agen:
         got.append(item)

@@ -301,8 +301,8 @@ def test_eager_backend_prelaunch_errors_leave_the_cache_untouched(core, haiku_id
 # --- the lane's handling of backend failures --------------------------------------------------
 
 
-def _assert_rejected_without_pages(lane, core, g, reason):
-    gen = lane.generate(g)
+def _assert_rejected_without_pages(lane, core, request, reason):
+    gen = lane.generate(request)
     item = next(gen)
     assert isinstance(item, Rejection), item
     assert (item.reason, item.lane, item.stage) == (reason, "persistent", "prelaunch")

@@ -122,7 +122,7 @@ def bound_backend(double, checkpoint, kv, **env) -> mk1.MK1Backend:
     return backend
 
 
-def qreq(committed=20, max_tokens=8, pages=(3, 1), **kw) -> QuantumRequest:
+def quantum_request(committed=20, max_tokens=8, pages=(3, 1), **kw) -> QuantumRequest:
     fields = dict(
         pending_token=7, committed_kv_length=committed, max_sequence_length=4096, max_tokens=max_tokens,
         full_block_map=torch.tensor(pages, dtype=torch.int32),
@@ -337,7 +337,7 @@ def _yarn_reference(length: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_quantum_request_block_map_and_yarn_rope_tables(double, checkpoint):
     kv = gpt_oss_kv(num_blocks=4)
     backend = bound_backend(double, checkpoint, kv, max_sequence_length=4096)
-    result = backend.run_quantum(qreq(committed=20, max_tokens=8, pages=(3, 1)))
+    result = backend.run_quantum(quantum_request(committed=20, max_tokens=8, pages=(3, 1)))
     (call,) = double.calls_named("run_quantum")
     native = call.args["request"]
     assert isinstance(native, double.QuantumRequest)
@@ -401,7 +401,7 @@ def test_a_single_stop_id_becomes_mk1_eos_and_ends_the_quantum(double, checkpoin
     kv = gpt_oss_kv()
     backend = bound_backend(double, checkpoint, kv)
     stop = SCRIPT[2]
-    result = backend.run_quantum(qreq(committed=0, pages=(2,), stop_token_ids=(stop,)))
+    result = backend.run_quantum(quantum_request(committed=0, pages=(2,), stop_token_ids=(stop,)))
     native = double.calls_named("run_quantum")[0].args["request"]
     assert (native.eos_token_id, native.ignore_eos) == (stop, False)
     assert result.emitted_tokens == SCRIPT[:3] and result.finish_reason == "eos" and result.committed_kv_length == 3
@@ -414,11 +414,11 @@ def test_several_stop_ids_run_full_quanta_with_one_of_them_as_mk1_eos(double, ch
     assert mk1.MK1Backend.checks_stop_set_on_device is False
     backend = bound_backend(double, checkpoint, gpt_oss_kv())
     primary = backend.eos_token_id  # the model's smallest EOS id
-    result = backend.run_quantum(qreq(max_tokens=4, stop_token_ids=(30, primary)))
+    result = backend.run_quantum(quantum_request(max_tokens=4, stop_token_ids=(30, primary)))
     assert result.emitted_tokens == SCRIPT[:4]
     native = double.calls_named("run_quantum")[-1].args["request"]
     assert (native.max_tokens, native.eos_token_id, native.ignore_eos) == (4, primary, False)
-    backend.run_quantum(qreq(max_tokens=2, stop_token_ids=(41, 40)))
+    backend.run_quantum(quantum_request(max_tokens=2, stop_token_ids=(41, 40)))
     native = double.calls_named("run_quantum")[-1].args["request"]
     assert (native.max_tokens, native.eos_token_id, native.ignore_eos) == (2, 40, False)
 
@@ -431,11 +431,11 @@ def test_aiter_prelaunch_error_is_our_prelaunch_error_and_leaves_the_backend_usa
     backend = bound_backend(double, checkpoint, kv)
     double.fail_next("prelaunch")
     with pytest.raises(PrelaunchError, match="injected prelaunch rejection") as exc:
-        backend.run_quantum(qreq())
+        backend.run_quantum(quantum_request())
     assert not isinstance(exc.value, BackendLaunchError) and exc.value.reason == "unsupported_envelope"
     assert kv.count_nonzero() == 0  # the cache is untouched
     assert backend.unhealthy_reason is None
-    assert backend.run_quantum(qreq()).emitted_tokens == SCRIPT[:8]
+    assert backend.run_quantum(quantum_request()).emitted_tokens == SCRIPT[:8]
 
 
 def test_aiter_backend_launch_error_is_terminal_and_the_decoder_turns_unhealthy(double, checkpoint):
@@ -443,12 +443,12 @@ def test_aiter_backend_launch_error_is_terminal_and_the_decoder_turns_unhealthy(
     backend = bound_backend(double, checkpoint, kv)
     double.fail_next("launch")
     with pytest.raises(BackendLaunchError, match="failed after launch: injected failure") as exc:
-        backend.run_quantum(qreq())
+        backend.run_quantum(quantum_request())
     assert not isinstance(exc.value, InvalidQuantumResultError) and exc.value.reason == "backend_launch_error"
     assert kv.count_nonzero() > 0  # the launch had already written KV: that is why it is terminal
     assert backend.unhealthy_reason == "backend_launch_error"
     with pytest.raises(PrelaunchError) as again:
-        backend.run_quantum(qreq())
+        backend.run_quantum(quantum_request())
     assert again.value.reason == "decoder_unhealthy"
     assert len(double.calls_named("run_quantum")) == 1  # never launched again
 
@@ -457,7 +457,7 @@ def test_any_other_exception_from_the_launch_is_terminal_too(double, checkpoint)
     backend = bound_backend(double, checkpoint, gpt_oss_kv())
     double.script = []  # the double raises once its script runs out, after writing KV
     with pytest.raises(BackendLaunchError):
-        backend.run_quantum(qreq())
+        backend.run_quantum(quantum_request())
     assert backend.unhealthy_reason == "backend_launch_error"
 
 
@@ -473,7 +473,7 @@ def test_an_invalid_result_is_an_invalid_quantum_result_error(double, checkpoint
     backend = bound_backend(double, checkpoint, gpt_oss_kv())
     double.fail_next(fault)
     with pytest.raises(InvalidQuantumResultError, match=match) as exc:
-        backend.run_quantum(qreq())
+        backend.run_quantum(quantum_request())
     assert isinstance(exc.value, BackendLaunchError)
     assert backend.unhealthy_reason == "invalid_quantum_result"
 
@@ -481,11 +481,11 @@ def test_an_invalid_result_is_an_invalid_quantum_result_error(double, checkpoint
 @pytest.mark.parametrize(
     ("make", "reason"),
     [
-        (lambda: qreq(full_block_map=torch.tensor([3, 1], dtype=torch.int64)), "unsupported_envelope"),
-        (lambda: qreq(pages=(3, 4)), "unsupported_envelope"),  # page 4 of 4 does not exist
-        (lambda: qreq(pages=(3,)), "unsupported_envelope"),  # 16 positions < 28
-        (lambda: qreq(max_sequence_length=8192), "max_sequence_length"),  # longer than the decoder's tables
-        (lambda: qreq(cancellation_flag=_set_event()), "cancelled"),
+        (lambda: quantum_request(full_block_map=torch.tensor([3, 1], dtype=torch.int64)), "unsupported_envelope"),
+        (lambda: quantum_request(pages=(3, 4)), "unsupported_envelope"),  # page 4 of 4 does not exist
+        (lambda: quantum_request(pages=(3,)), "unsupported_envelope"),  # 16 positions < 28
+        (lambda: quantum_request(max_sequence_length=8192), "max_sequence_length"),  # longer than the decoder's tables
+        (lambda: quantum_request(cancellation_flag=_set_event()), "cancelled"),
     ],
     ids=["int64_map", "page_out_of_range", "short_map", "past_decoder_length", "cancelled"],
 )
@@ -499,7 +499,7 @@ def test_our_prelaunch_checks_refuse_before_any_launch(double, checkpoint, make,
 
 def test_an_unbound_backend_refuses_before_launch(double, checkpoint):
     with pytest.raises(PrelaunchError, match="no KV cache bound"):
-        mk1.MK1Backend(envelope(), checkpoint, GPT_OSS_120B).run_quantum(qreq())
+        mk1.MK1Backend(envelope(), checkpoint, GPT_OSS_120B).run_quantum(quantum_request())
 
 
 def _set_event() -> threading.Event:
