@@ -51,7 +51,8 @@ def complete(client: httpx.Client, base_url: str, model: str, prompt: str, max_t
     """
     r = client.post(base_url.rstrip("/") + "/v1/completions", headers={"x-lane": lane}, json={
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-    r.raise_for_status()
+    if r.is_error:  # the server's OpenAI-style message says why (e.g. a prompt past max_model_len)
+        raise httpx.HTTPStatusError(f"{r.status_code} from {r.url}: {r.text[:300]}", request=r.request, response=r)
     body = r.json()
     return body["choices"][0]["text"], r.headers.get("x-lane"), body["usage"]["completion_tokens"]
 
