@@ -101,9 +101,11 @@ def test_tokenizer_info_has_what_lm_eval_reads(server):
     assert "pad_token" in info and info["tokenizer_class"]
     assert "{% for message in messages %}" in info["chat_template"] or "messages" in info["chat_template"]
     assert not any("/" in str(v) for k, v in info.items() if k not in ("chat_template", "added_tokens_decoder"))
-    # lm-eval's remote tokenizer then encodes the special tokens through /tokenize
-    assert _post(server, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"] \
-        == [2]
+    # lm-eval's remote tokenizer finds eos_token_id as /tokenize(eos_token)[0]: that needs the server's
+    # allow-special-tokens (tests/lmeval runs so); by default the string is client text, its ids the text's
+    assert _post(server, "/detokenize", {"tokens": [2]}).json()["prompt"] == info["eos_token"]
+    as_text = _post(server, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert 2 not in as_text and len(as_text) > 1
 
 
 # ---- batched prompts -----------------------------------------------------------------------------

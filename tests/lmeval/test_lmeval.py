@@ -55,7 +55,8 @@ def app() -> str:
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"max_model_len": 2048, "num_kv_blocks": 256, "persistent_decoder": "auto",
-                         "progress": False}), name="lmeval", route_prefix="/")
+                         # lm-eval's remote tokenizer reads eos_token_id as /tokenize(eos_token)[0]
+                         "allow_special_tokens": True, "progress": False}), name="lmeval", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
