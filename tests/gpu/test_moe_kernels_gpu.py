@@ -250,7 +250,9 @@ def test_auto_resolves_to_hopper_bulk_on_an_h200_in_bf16_and_to_triton_fp32_in_f
     assert resolve_moe("auto", torch.device("cuda"), torch.float16).backend == "triton_tc"
     assert resolve_moe("auto", torch.device("cuda"), torch.float32).backend == "triton_fp32"
     choice = resolve_moe("auto", torch.device("cuda"), torch.bfloat16, repack=True)
-    assert choice.repack == (choice.backend == "hopper_bulk") and choice.prefill == "prefill_dequantize"
+    assert choice.repack == (choice.backend == "hopper_bulk") and choice.prefill == "grouped_gemm"
+    off = resolve_moe("auto", torch.device("cuda"), torch.bfloat16, prefill_kernels=False)
+    assert off.prefill == "prefill_dequantize"
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
@@ -364,7 +366,7 @@ def test_gpt_oss_load_resolves_and_records_its_kernels():
 
     core = dummy_core("tiny-gpt-oss", torch.bfloat16, max_model_len=256)
     kernels = core.describe_kernels()
-    assert kernels["decode_kernels"] == "triton" and kernels["moe_prefill"] == "prefill_dequantize"
+    assert kernels["decode_kernels"] == "triton" and kernels["moe_prefill"] == "grouped_gemm"
     assert kernels["moe_backend"] in ("hopper_bulk", "triton_tc") and kernels["decode_graphs"]
     core = dummy_core("tiny-gpt-oss", torch.bfloat16, max_model_len=256, moe_backend="triton_tc", pdl=False)
     assert core.describe_kernels()["moe_backend"] == "triton_tc" and core.describe_kernels()["pdl"] is False
