@@ -85,6 +85,11 @@ class EngineConfig(BaseModel):
         True, description="Persistent lane: launch quantum k+1 behind quantum k before reading k, on backends "
         "that support it (cuda_graph), so the GPU never waits for the host between quanta.",
     )
+    warmup: bool = Field(
+        True, description="On a GPU, at load: capture every standard-lane decode-graph bucket and run throwaway "
+        "prefills and decode steps (prompts of 16 to 1,024 tokens, 1 and 8 sequences), so the first requests do "
+        "not pay Triton compilation and graph capture (vLLM captures its graphs at start likewise). Ignored on CPU.",
+    )
     fused_greedy_epilogue: bool = Field(
         True, description="cuda_graph persistent backend: each step's argmax, stop check and bookkeeping in "
         "one Triton launch instead of the torch ops.",

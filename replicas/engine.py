@@ -320,6 +320,45 @@ class LLMEngine:
                 self._children.pop(t.parent_id, None)
         return chunk
 
+    def warm_up(self, capture_graphs: bool = True, lengths: tuple[int, ...] = (16, 128, 1024),
+                batch: int = 8, batch_len: int = 256, new_tokens: int = 4) -> dict:
+        """Run the kernels once before serving: capture every decode-graph bucket (largest first, with
+        ``capture_graphs``), then greedy throwaway requests of random token ids (seeded): one prompt of each of
+        ``lengths`` tokens, then ``batch`` prompts of ``batch_len`` tokens at once, ``new_tokens`` each. Their
+        Triton kernels compile and their graphs replay here instead of inside the first requests. Lengths are
+        capped to what ``max_model_len`` and the KV pool hold. Call it while the engine holds no request.
+
+        Returns ``{"graphs_failed": [...], "prompts": n, "seconds": s}``.
+
+        Raises:
+            RuntimeError: the engine holds requests.
+        """
+        import time
+
+        if self.has_unfinished():
+            raise RuntimeError("warm_up needs an idle engine")
+        start = time.perf_counter()
+        graphs = self.core.runner.graphs
+        failed = graphs.capture_all() if graphs is not None and capture_graphs else []
+        cfg, alloc = self.core.config, self.core.allocator
+        vocab = self.core.model.config.vocab_size
+        longest = max(1, min(cfg.max_model_len - new_tokens, alloc.num_blocks * PAGE_SIZE // 2))
+        rounds = [[min(n, longest)] for n in dict.fromkeys(min(n, longest) for n in lengths)]
+        rounds.append([min(batch_len, max(1, longest // batch))] * batch)
+        generator = torch.Generator().manual_seed(0)
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        count = 0
+        for r, sizes in enumerate(rounds):
+            for i, n in enumerate(sizes):
+                prompt = torch.randint(0, vocab, (n,), generator=generator).tolist()
+                self.add_request(f"warmup-{r}-{i}", prompt, params)
+                count += 1
+            while self.has_unfinished():
+                self.step()
+        if self.core.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.core.runner.device)
+        return {"graphs_failed": failed, "prompts": count, "seconds": round(time.perf_counter() - start, 3)}
+
     def pages_in_use(self) -> int:
         """Distinct KV pages the requests of this engine hold (a page shared by prefix caching counts once)."""
         pages: set[int] = set()

@@ -133,6 +133,7 @@ class EngineActor:
             build_engine_telemetry,  # start-up only, never per token
         )
 
+        self._warmup = self._warm_up()
         backend_name = self.persistent.backend.name if self.persistent and self.persistent.backend else None
         self.settings = self._settings(backend_name)
         self.telemetry = {
@@ -147,6 +148,17 @@ class EngineActor:
         self._publish_gauges()
         # Ray drops a gauge nobody set recently: refresh the page/health gauges while idle too
         threading.Thread(target=self._refresh_gauges, name="gauges", daemon=True).start()
+
+    def _warm_up(self) -> dict | None:
+        """``EngineConfig.warmup`` on a GPU: compile the prefill kernels (and, with a standard lane, capture
+        every decode graph) before the first request; what it did, for ``settings``. None when off or on CPU."""
+        if not self.core.config.warmup or self.core.runner.device.type != "cuda":
+            return None
+        # a throwaway engine over the same core (graphs, kernels and KV pool are the core's): the serving
+        # engine's hooks and counters see no warm-up request
+        done = LLMEngine(self.core).warm_up(capture_graphs=self.engine is not None)
+        logger.info("warm-up: %s", done)
+        return done
 
     def _load_persistent(self, backend: str, checkpoint: str | None, fault_injection) -> PersistentLane:
         """The persistent lane over this engine's core: its backend bound to the KV cache, or a lane
@@ -195,7 +207,7 @@ class EngineActor:
         cfg = self.core.config
         out = {"load_format": cfg.load_format, "dtype": str(cfg.resolved_dtype()).removeprefix("torch."),
                "device": str(cfg.resolved_device()), "prefix_caching": self.core.allocator.enable_prefix_caching,
-               **self.core.describe_kernels()}
+               **self.core.describe_kernels(), "warmup": self._warmup}
         if self.persistent is not None:
             backend = self.persistent.backend
             out["persistent_backend"] = backend_name

@@ -775,7 +775,9 @@ def part_model(rep: Report, args, shape: str) -> None:
                 rep.table(f"Where a {n:,}-token prefill's GPU time goes, {shape} (standard lane, under the profiler)",
                           ["kernel", "launches", "ms", "share of GPU busy"], prof_rows,
                           f"Wall {wall:,.1f} ms under the profiler, GPU busy {busy:,.1f} ms (sum of kernel "
-                          "durations): busy well below wall means the host (Python, launches) bounds the forward.")
+                          f"durations, {busy / wall:.0%} of wall): "
+                          + ("the kernels bound the forward." if busy >= 0.8 * wall else
+                             "busy well below wall: the host (Python, launches) bounds the forward."))
             except Exception as exc:  # noqa: BLE001
                 rep.error(f"{shape}/profile {n} tokens", exc)
         prompt = random_prompt(vocab, S.repeat_prompt, 400)

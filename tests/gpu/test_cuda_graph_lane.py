@@ -215,3 +215,35 @@ def test_decode_graphs_captured_smallest_first_then_replayed():
     eager = [run(prompts[:c]) for c in (1, 8, 16)]
     core.runner.graphs = graphs
     assert with_graphs == eager
+
+
+def test_warm_up_captures_every_bucket_and_serves_the_same_tokens():
+    """``LLMEngine.warm_up`` (the engine actor's ``EngineConfig.warmup`` at load): every decode-graph bucket
+    captured, the pool full again, and greedy tokens after it equal the tokens of an engine that did not
+    warm up."""
+    from ops.tools.make_tiny_gpt_oss import real_config
+    from replicas.engine import LLMEngine
+    from replicas.request import SamplingParams
+
+    core = dummy_core({**real_config("20b"), **SMALL_GPT_OSS}, torch.bfloat16, max_model_len=512,
+                      num_kv_blocks=GPT_OSS_PAGES)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, SMALL_GPT_OSS["vocab_size"], (n,), generator=g).tolist() for n in (17, 200, 90)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def run(engine):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        out = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for ch in engine.step():
+                out[ch.request_id] += ch.token_ids
+        return out
+
+    cold = run(LLMEngine(core))
+    engine = LLMEngine(core)
+    done = engine.warm_up()
+    graphs = core.runner.graphs
+    assert done["graphs_failed"] == [] and set(graphs._graphs) == set(graphs.batch_sizes), done
+    assert core.allocator.num_free == core.allocator.num_blocks
+    assert run(engine) == cold

@@ -120,3 +120,19 @@ def test_persistent_lane_quantum_sizes_follow_max_tokens(core, prompt_ids, refer
     assert [len(c.token_ids) for c in items] == [1, 8, 8, 3]
     assert tokens_of(items) == references["ignore_eos"][1][:20]
     assert items[-1].finish_reason == "length"
+
+
+def test_warm_up_leaves_the_engine_as_it_found_it(core, prompt_ids, references):
+    """``LLMEngine.warm_up`` (the engine actor runs it at load on a GPU; here on CPU, small): its throwaway
+    requests end, every page is back (the autouse check), and a request after it gets the reference tokens.
+    It refuses an engine that holds requests."""
+    engine = LLMEngine(core)
+    done = engine.warm_up(lengths=(16, 40), batch=3, batch_len=24, new_tokens=2)
+    assert done["prompts"] == 2 + 3 and done["graphs_failed"] == [] and not engine.has_unfinished()
+    mode = next(iter(MODES))
+    chunks = run_standard(engine, {"after": (prompt_ids[0], MODES[mode])})["after"]
+    assert tokens_of(chunks) == references[mode][0]
+    engine.add_request("busy", prompt_ids[0], MODES[mode])
+    with pytest.raises(RuntimeError, match="idle"):
+        engine.warm_up()
+    engine.abort("busy")
