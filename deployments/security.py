@@ -120,7 +120,8 @@ class RequestLimits(BaseModel):
         10.0, gt=0, description="Longest gap in seconds between two chunks of a request body (408).",
     )
     max_prompt_chars: int | None = Field(
-        None, ge=1, description=f"Most characters of prompt text (all messages together), checked before "
+        None, ge=1, description=f"Most characters of prompt text (all messages, or all prompts of a completions "
+        "request, together), checked before "
         f"tokenizing (400); default {PROMPT_CHARS_PER_TOKEN} x max_model_len.",
     )
     max_messages: int = Field(2048, ge=1, description="Most messages in one chat request (400).")
@@ -335,10 +336,18 @@ class RequestGuard:
                         f"the messages hold more than {self.max_prompt_chars} characters (max-prompt-chars; at "
                         f"messages.{i}: {n} characters)", param=f"messages.{i}.content",
                         code="string_above_max_length")
-        prompt = getattr(body, "prompt", None)
-        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
-            raise OpenAIError(f"the prompt has {len(prompt)} characters; at most {self.max_prompt_chars} are "
-                              "allowed (max-prompt-chars)", param="prompt", code="string_above_max_length")
+        prompts = getattr(body, "prompt", None)
+        prompts = [prompts] if isinstance(prompts, str) else prompts or []  # completions: a list once validated
+        total = 0
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):
+                continue  # token ids: the engine's context check counts them
+            total += len(prompt)
+            if total > self.max_prompt_chars:
+                where = "the prompt has" if len(prompts) == 1 else f"the prompts (up to prompt.{i}) hold"
+                raise OpenAIError(f"{where} {total} characters; at most {self.max_prompt_chars} are "
+                                  "allowed (max-prompt-chars)", param="prompt" if len(prompts) == 1 else f"prompt.{i}",
+                                  code="string_above_max_length")
         for i, s in enumerate(getattr(body, "stop", None) or ()):
             if len(s) > limits.max_stop_chars:
                 raise OpenAIError(f"stop[{i}] has {len(s)} characters; at most {limits.max_stop_chars} are "

@@ -130,6 +130,7 @@ def _chat(**kw):
      "messages.1.content"),
     (_chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a" * 101}]}]), "messages.0.content"),
     (CompletionRequest(model="m", prompt="p" * 101), "prompt"),
+    (CompletionRequest(model="m", prompt=["p" * 60, "r", "q" * 50]), "prompt.2"),  # batched: counted together
     (_chat(stop=["x" * 9]), "stop.0"),
     (_chat(stop_token_ids=[1, 2, 3]), "stop_token_ids"),
     (_chat(n=3), "n"),

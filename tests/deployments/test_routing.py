@@ -109,10 +109,11 @@ def _round(base: str, lane: str | None, n: int = 8, max_tokens: int = 32):
     return statistics.median(r.ttft for r in records), sorted(r.lane for r in records)
 
 
-def test_c8_greedy_ttft_on_auto_matches_forced_standard(server):
-    """8 parallel greedy streams: on ``auto`` one goes persistent and the rest standard at once, so the
-    TTFT p50 is the forced-standard one (the old fixed 0.5 s spillover wait doubled it). Rounds alternate
-    so that load on the machine hits both alike; the medians of the rounds' p50s are compared."""
+def test_c8_greedy_on_auto_one_persistent_the_rest_spilled(server):
+    """8 parallel greedy streams: on ``auto`` the persistent replica serves one and the rest spill to the
+    standard lane (that they spill at once, ``waited_s=0``, is ``test_overload``'s check). The TTFT p50s of
+    auto and forced-standard rounds, alternated so that load on the machine hits both alike, are printed
+    for docs/benchmarks.md ("Routing without needless waits"), not asserted: timing is a benchmark's job."""
     before = pool_stats(server)["router"]["spillovers"]
     auto, forced, lanes = [], [], []
     _round(server, None, n=2)  # warm both lanes
@@ -127,4 +128,3 @@ def test_c8_greedy_ttft_on_auto_matches_forced_standard(server):
           f"forced {1e3 * f:.0f} ms ({100 * (a / f - 1):+.1f}%); lanes on auto: {lanes[-1]}")
     assert all(seen.count("persistent") >= 1 for seen in lanes), lanes  # the persistent replica served one
     assert pool_stats(server)["router"]["spillovers"] - before >= 3 * 6
-    assert a <= 1.05 * f + 0.02, (auto, forced)  # within 5% (+20 ms of timer noise)
