@@ -202,8 +202,8 @@ def app_args(recipe: Recipe, model: str) -> tuple[dict, dict]:
 
 
 def prompt_len(args, model: str) -> int:
-    """Prompt tokens of ``model``'s runs: GPT-OSS prefill is slow here (each routed expert dequantized
-    per launch), so its prompts are shorter."""
+    """Prompt tokens of ``model``'s runs (``--prompt-len`` for SmolLM2, ``--gpt-oss-prompt-len`` for the
+    GPT-OSS shapes)."""
     return args.prompt_len if model == "smollm2" or args.cpu_smoke else args.gpt_oss_prompt_len
 
 
@@ -217,16 +217,28 @@ def bench_plan(recipe: Recipe, model: str) -> list[tuple[str, str, int, int, int
             ("standard c=32", "standard", 32, 32, a.batch_new_tokens)]
 
 
+def run_prompts(label: str, n: int, length: int, vocab: int) -> tuple[list, list]:
+    """``n`` measured prompts of ``length`` random token ids for the run ``label`` and 2 warm-up prompts,
+    all distinct: seeded by the label, so Serve and the engine get the same prompts for one run, and no run
+    (nor its warm-up) hits the prefix cache with another's prompts."""
+    import zlib
+
+    from ops.bench.serve import random_prompts
+
+    seed = zlib.crc32(label.encode())
+    return (random_prompts(n, length, 100, min(vocab, 20000), seed=seed),
+            random_prompts(2, length, 100, min(vocab, 20000), seed=seed + 1))
+
+
 def serve_bench(recipe: Recipe, base: str, model: str, served: str, vocab: int) -> dict:
-    from ops.bench.serve import random_prompts, run, summarize
+    from ops.bench.serve import run, summarize
 
     a = recipe.args
     out = {}
     for label, lane, c, n, tokens in bench_plan(recipe, model):
-        prompts = random_prompts(n, prompt_len(a, model), 100, min(vocab, 20000), seed=c)
+        prompts, warm = run_prompts(label, n, prompt_len(a, model), vocab)
         model_name = served
-        asyncio.run(run(base, model_name, prompts[:2], tokens, float("inf"), 1, 0.0, True, lane, 0,
-                        progress=False))
+        asyncio.run(run(base, model_name, warm, tokens, float("inf"), 1, 0.0, True, lane, 0, progress=False))
         records, duration = asyncio.run(run(base, model_name, prompts, tokens, float("inf"), c, 0.0, True, lane, 0,
                                             progress=False))
         s = summarize(records, duration)
@@ -242,7 +254,7 @@ def engine_bench(recipe: Recipe, model: str, facts: dict, vocab: int) -> dict:
     import torch
 
     from ops.bench.engine import build_core, direct_records
-    from ops.bench.serve import random_prompts, summarize
+    from ops.bench.serve import summarize
 
     a = recipe.args
     device = torch.device("cpu" if a.cpu_smoke else "cuda")
@@ -260,8 +272,8 @@ def engine_bench(recipe: Recipe, model: str, facts: dict, vocab: int) -> dict:
 
     backend = create_backend("eager" if a.cpu_smoke else "cuda_graph", core)
     for label, lane, c, n, tokens in bench_plan(recipe, model):
-        prompts = random_prompts(n, prompt_len(a, model), 100, min(vocab, 20000), seed=c)
-        direct_records(core, lane, prompts[:2], tokens, 1, backend=backend)  # warm-up
+        prompts, warm = run_prompts(label, n, prompt_len(a, model), vocab)
+        direct_records(core, lane, warm, tokens, 1, backend=backend)  # warm-up
         t = time.perf_counter()
         records = direct_records(core, lane, prompts, tokens, c, backend=backend)
         s = summarize(records, time.perf_counter() - t)
@@ -489,7 +501,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting sections after this many seconds")
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens of the SmolLM2 runs")
-    p.add_argument("--gpt-oss-prompt-len", type=int, default=256, help="prompt tokens of the GPT-OSS runs")
+    p.add_argument("--gpt-oss-prompt-len", type=int, default=1024, help="prompt tokens of the GPT-OSS runs")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens per request at concurrency 1")
     p.add_argument("--batch-new-tokens", type=int, default=128, help="tokens per request at concurrency 8 and 32")
     p.add_argument("--num-kv-blocks", type=int, default=3072, help="KV pages per engine (c=32 x 1,152 tokens fit)")
