@@ -13,7 +13,8 @@ fails is recorded in ``errors`` and the others still run) and started only while
   device name and UUID (``/debug/stats``: the engines' ``accelerator`` field); the two persistent engines'
   must differ;
 * ``tpot``: ``ops.bench.serve`` greedy through HTTP on the persistent lane, one stream alone, then two
-  streams at once (one per replica: both engines' quanta counts grow), TPOT/ITL/TTFT medians and the ratio;
+  streams at once (one per replica: both engines' quanta counts grow), TPOT/ITL/TTFT medians and the ratio,
+  and how many greedy requests the router spilled to the standard lane (its ``spillovers`` counter);
 * ``sampled``: the two greedy streams again while sampled requests (``--sampled-temperature``) run on the
   standard lane: their lanes, failures and the greedy streams' TPOT meanwhile;
 * ``third``: the persistent pool scaled to 3 replicas (the same config with a ``num_replicas`` override of
@@ -121,6 +122,10 @@ class TwoReplicaRecipe(Recipe):
     def engines(self, lane: str) -> list[dict]:
         return httpx.get(f"{self.base}/debug/stats", timeout=30).json()[lane]["engines"]
 
+    def spillovers(self) -> int:
+        """The router's count of eligible requests it sent standard for capacity (``/debug/stats``)."""
+        return int(httpx.get(f"{self.base}/debug/stats", timeout=30).json()["router"]["spillovers"])
+
 
 def wait_running(deadline: float) -> None:
     """Until the app is RUNNING (raises on DEPLOY_FAILED or at ``deadline``, a ``time.monotonic()``)."""
@@ -175,6 +180,7 @@ def _summary(records, duration) -> dict:
     s = summarize(records, duration)
     return {"completed": s["completed"], "failed": s["failed"], "errors": s["errors"][:3],
             "lanes": sorted({r.lane or "?" for r in records}),
+            "served_standard": sum(r.lane == "standard" for r in records),
             **{f"{m}_p50_ms": s[f"{m}_ms"]["median"] for m in ("ttft", "tpot", "itl", "e2el")}}
 
 
@@ -189,9 +195,10 @@ def tpot(recipe: TwoReplicaRecipe) -> dict:
     a = recipe.args
     asyncio.run(_bench(recipe, _prompts(recipe, 2, 0), 2))  # warm-up: each replica's first request
     alone = _summary(*asyncio.run(_bench(recipe, _prompts(recipe, a.rounds, 1), 1)))
-    before = _quanta(recipe)
+    before, spills = _quanta(recipe), recipe.spillovers()
     both = _summary(*asyncio.run(_bench(recipe, _prompts(recipe, 2 * a.rounds, 2), 2)))
     after = _quanta(recipe)
+    both["router_spillovers"] = recipe.spillovers() - spills
     grew = {pid: after.get(pid, 0) - n for pid, n in before.items()}
     ratio = (both["tpot_p50_ms"] / alone["tpot_p50_ms"]) if alone["tpot_p50_ms"] and both["tpot_p50_ms"] else None
     log(f"  one stream alone: {alone}")
@@ -216,8 +223,10 @@ def sampled(recipe: TwoReplicaRecipe) -> dict:
             _bench(recipe, _prompts(recipe, a.sampled_requests, 4), a.sampled_concurrency, a.sampled_temperature,
                    lane=None, tokens=a.sampled_tokens))
 
+    spills = recipe.spillovers()
     greedy, sample = asyncio.run(together())
     greedy, sample = _summary(*greedy), _summary(*sample)
+    greedy["router_spillovers"] = recipe.spillovers() - spills
     log(f"  greedy meanwhile: {greedy}")
     log(f"  sampled (temperature {a.sampled_temperature}): {sample}")
     recipe.check("sampled_served_standard", sample["lanes"] == ["standard"] and sample["failed"] == 0
@@ -296,7 +305,10 @@ def report(results: dict) -> str:
             lines.append(f"| {label} | {_ms(s['ttft_p50_ms'])} | {_ms(s['tpot_p50_ms'])} | {_ms(s['itl_p50_ms'])} | "
                          f"{_ms(s['e2el_p50_ms'])} | {s['completed']} ({s['failed']} failed) | {', '.join(s['lanes'])} |")
         lines += ["", f"TPOT two at once / alone: {t['tpot_ratio']}; quanta per persistent engine (pid: count) "
-                  f"during the two-stream run: {t['quanta_per_engine']}.", ""]
+                  f"during the two-stream run: {t['quanta_per_engine']}; greedy requests the router spilled to the "
+                  f"standard lane: {t['both'].get('router_spillovers')} of the two-stream run, "
+                  f"{(results.get('sampled') or {}).get('greedy', {}).get('router_spillovers')} with sampled traffic.",
+                  ""]
     if results.get("sampled"):
         s = results["sampled"]["sampled"]
         lines += [f"Sampled requests meanwhile: {s['completed']} completed, {s['failed']} failed, lanes {s['lanes']}, "
