@@ -29,7 +29,7 @@ test-stress: install-test
 	$(PYTHON) -m pytest -q -s -m stress tests/deployments/test_stress.py
 
 test-cluster: install-test
-	$(PYTHON) -m pytest -q -m cluster tests/deployments/test_cluster.py
+	$(PYTHON) -m pytest -q -m cluster tests/deployments/test_cluster.py tests/deployments/test_two_replicas.py
 
 # lm-eval (GSM8K chat + completions, a loglikelihood task) against the app.
 test-lmeval: install-lmeval

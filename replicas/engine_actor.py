@@ -73,6 +73,39 @@ def _node_id() -> str | None:
         return None
 
 
+def device_facts(device) -> dict:
+    """Which accelerator this process sees and uses (read-only; ``stats()["accelerator"]``).
+
+    Args:
+        device: the engine's ``torch.device``.
+
+    Returns:
+        ``cuda_visible_devices`` (the ``CUDA_VISIBLE_DEVICES`` Ray set for this actor's GPU share, or
+        None), ``gpu_ids`` (Ray's accelerator ids of this actor: physical GPU indices, strings), and on a
+        CUDA device ``cuda_device`` (``torch.cuda.current_device()``: an index into the visible devices,
+        so 0 in every single-GPU actor), ``cuda_device_name`` and ``cuda_device_uuid`` (the physical
+        GPU's UUID, the same in every process that sees that GPU); those three are None on CPU.
+    """
+    gpu_ids = None
+    try:
+        import ray
+
+        if ray.is_initialized():
+            gpu_ids = [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+    except ImportError:
+        pass
+    out = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpu_ids": gpu_ids,
+           "cuda_device": None, "cuda_device_name": None, "cuda_device_uuid": None}
+    if device.type == "cuda":
+        import torch
+
+        index = torch.cuda.current_device() if device.index is None else device.index
+        props = torch.cuda.get_device_properties(index)
+        uuid = getattr(props, "uuid", None)
+        out.update(cuda_device=index, cuda_device_name=props.name, cuda_device_uuid=None if uuid is None else str(uuid))
+    return out
+
+
 def _post(loop: asyncio.AbstractEventLoop, out: asyncio.Queue, item: Item) -> bool:
     """Hand ``item`` to the caller's event loop; False if that loop is gone (the output is dropped)."""
     try:
@@ -141,6 +174,7 @@ class EngineActor:
                                          tracing, self.settings)
             for name in (("standard", "persistent") if self.colocated else (lane,))
         }
+        self.accelerator = device_facts(self.core.runner.device)
         self._requests: dict = {}  # request id -> RequestTelemetry, for the engine thread's queue-time hook
         self._snapshot: dict = self._colocated_stats() if self.colocated else {}
         if self.engine is not None:
@@ -265,9 +299,10 @@ class EngineActor:
 
     async def stats(self) -> dict:
         """KV page accounting and queue depth, the resolved settings, and where the engine runs (placement
-        group, node, process id; read by tests, the chaos runs and the debug endpoint)."""
+        group, node, process id, the accelerator it sees: :func:`device_facts`; read by tests, the chaos runs
+        and the debug endpoint)."""
         return {**self._stats(), "placement_group_id": _placement_group_id(), "settings": self.settings,
-                "node_id": _node_id(), "pid": os.getpid()}
+                "node_id": _node_id(), "pid": os.getpid(), "accelerator": self.accelerator}
 
     def _scheduled(self, request_id: str) -> None:
         request_telemetry = self._requests.get(request_id)

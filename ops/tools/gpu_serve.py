@@ -54,7 +54,15 @@ a section starts only if it fits what is left of the budget)."""
 
 
 class Recipe:
-    """One run: the cluster, the output folder, the budget and the results so far."""
+    """One run: the cluster, the output folder, the budget and the results so far.
+
+    Other recipes (``ops.tools.gpu_two_replicas``) subclass it: ``num_gpus`` (GPUs given to ``ray.init``;
+    None: 1 on the device, 0 with ``--cpu-smoke``; simulated when the machine has fewer), ``costs`` (section
+    estimates for :meth:`fits`) and :meth:`render` (the report) are theirs to set.
+    """
+
+    num_gpus: int | None = None
+    costs: dict = SECTION_COST_S
 
     def __init__(self, args):
         self.args = args
@@ -71,7 +79,7 @@ class Recipe:
         return self.deadline - time.monotonic()
 
     def fits(self, section: str) -> bool:
-        cost = SECTION_COST_S.get(section, 60) * (0.2 if self.args.cpu_smoke else 1)
+        cost = self.costs.get(section, 60) * (0.2 if self.args.cpu_smoke else 1)
         if self.left() >= cost:
             return True
         self.results["skipped"].append(f"{section} (needs ~{cost:.0f} s, {self.left():.0f} s left)")
@@ -81,7 +89,11 @@ class Recipe:
 
     def save(self) -> None:
         (self.out / "summary.json").write_text(json.dumps(self.results, indent=2, default=str))
-        (self.out / "report.md").write_text(report(self.results))
+        (self.out / "report.md").write_text(self.render(self.results))
+
+    def render(self, results: dict) -> str:
+        """``report.md`` of ``results``."""
+        return report(results)
 
     def guarded(self, name: str, fn, *a):
         """Run one section; record its exception (with traceback) instead of stopping the run."""
@@ -103,7 +115,7 @@ class Recipe:
         from ray import serve
 
         t0 = time.monotonic()
-        gpus = 0 if self.args.cpu_smoke else 1
+        gpus = self.num_gpus if self.num_gpus is not None else (0 if self.args.cpu_smoke else 1)
         for attempt in range(3):  # a loaded machine can miss the raylet's start-up deadline: try again
             try:
                 ray.init(address="local", num_cpus=max(4, os.cpu_count() or 4), num_gpus=gpus,

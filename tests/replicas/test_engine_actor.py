@@ -133,6 +133,18 @@ def test_actors_report_what_they_resolved_at_load(standard_actor, persistent_act
     assert persistent["fused_greedy_epilogue"] is False
 
 
+def test_actors_report_the_accelerator_they_see(standard_actor, monkeypatch):
+    """Outside Ray on CPU: no Ray GPU ids and no CUDA device; ``CUDA_VISIBLE_DEVICES`` as the process has it
+    (inside Ray it is the GPU share Ray assigned: tests/deployments/test_two_replicas.py)."""
+    from replicas.engine_actor import device_facts
+
+    facts = asyncio.run(standard_actor.stats())["accelerator"]
+    assert (facts["gpu_ids"], facts["cuda_device"], facts["cuda_device_name"], facts["cuda_device_uuid"]) == (
+        None, None, None, None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert device_facts(standard_actor.core.runner.device)["cuda_visible_devices"] == "1"
+
+
 def test_persistent_actor_streams_quanta(persistent_actor, tokenizer, hf_greedy):
     ids = chat_ids(tokenizer, PROMPTS[3])
 
