@@ -216,10 +216,13 @@ class Router:
             return
         from deployments.replicas import STATS_TIMEOUT_S, engine_actor_stats
 
-        mine = self.in_flight
+        before = self.in_flight
         engines = await engine_actor_stats(self.engine_lane, self.app_name, STATS_TIMEOUT_S)
         lanes = [e.get("lanes", {}).get("persistent", e) for e in engines]
         healthy = [e for e in lanes if e.get("decoder_healthy", True)]
+        # ours that the engines may count: a request of ours started during the read would otherwise count
+        # twice (as another router's and as ours) and hide a free replica for up to POOL_REFRESH_S
+        mine = max(before, self.in_flight)
         self._pool = (len(healthy), sum(int(e.get("running", 0)) for e in healthy), mine)
 
     def _free_replicas(self) -> int | None:
