@@ -252,6 +252,7 @@ def apply_top_k_top_p(
     probs = sorted_logits.softmax(-1)
     p = torch.tensor(ps, dtype=probs.dtype, device=device).unsqueeze(1)
     drop = (probs.cumsum(-1) - probs) >= p
+    drop[:, 0] = False  # the most likely token stays, even for a p that rounds to 0 in this dtype
     sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

@@ -188,6 +188,7 @@ def test_filter_top_k_disabled_or_not_smaller_than_vocab(top_k):
     [
         (1e-6, {2}),  # only the most likely token
         (0.45, {2}),  # 0.5 alone reaches 0.45
+        (5e-324, {2}),  # a p that is 0 in float32 (schemathesis sent it): the top token stays, no NaN
         (0.7, {2, 0}),  # 0.5 < 0.7: also the next (0.3)
         (0.9, {2, 0, 3}),  # 0.8 < 0.9: also 0.15
         (0.99, {0, 1, 2, 3}),
