@@ -47,7 +47,8 @@ class EngineConfig(BaseModel):
     cuda_graph_batch_sizes: tuple[int, ...] = Field(
         (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256),
         description="Batch-size buckets of the standard lane's decode CUDA graphs (GPU only; those above "
-                    "max_num_seqs are dropped; each is captured the first time a step needs it).",
+                    "max_num_seqs are dropped; all captured at load by the warm-up, see warmup, else each the first "
+                    "time a step needs it).",
     )
     prefill_kernels: bool = Field(
         True, description="On a GPU, run prefill, mixed and large standard-lane steps through the Triton prefill "
