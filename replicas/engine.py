@@ -343,7 +343,7 @@ class LLMEngine:
         cfg, alloc = self.core.config, self.core.allocator
         vocab = self.core.model.config.vocab_size
         longest = max(1, min(cfg.max_model_len - new_tokens, alloc.num_blocks * PAGE_SIZE // 2))
-        rounds = [[min(n, longest)] for n in dict.fromkeys(min(n, longest) for n in lengths)]
+        rounds = [[n] for n in dict.fromkeys(min(n, longest) for n in lengths)]  # capped, duplicates once
         rounds.append([min(batch_len, max(1, longest // batch))] * batch)
         generator = torch.Generator().manual_seed(0)
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
