@@ -266,21 +266,30 @@ def test_kill_a_standard_replica_under_16_streams_fails_only_its_requests(chaos)
     async def main():
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as c:
             seen = [asyncio.Event() for _ in range(streams)]
-            tasks = [asyncio.create_task(_stream(c, base, {"temperature": 0.8, "seed": i, "max_tokens": 120,
+            tasks = [asyncio.create_task(_stream(c, base, {"temperature": 0.8, "seed": i, "max_tokens": 240,
                                                            "ignore_eos": True}, seen[i], min_chunks=1))
                      for i in range(streams)]
             await asyncio.wait_for(asyncio.gather(*(s.wait() for s in seen)), 120)
+            asked_at = time.monotonic()
             engines = await asyncio.to_thread(_engines, base, "standard")
+            answered_at = time.monotonic()
             for e in engines:  # a preempted request waits (recompute) but is still on that engine
                 e["holding"] = e["running"] + e["waiting"]
             victim = max(engines, key=lambda e: e["holding"])
             replica = await asyncio.to_thread(_replica_of, victim["pid"])
             killed_at = time.monotonic()
             os.kill(replica["Pid"], signal.SIGKILL)
-            return await asyncio.gather(*tasks), engines, victim, killed_at
+            return await asyncio.gather(*tasks), engines, victim, killed_at, (asked_at, answered_at)
 
-    results, engines, victim, killed_at = asyncio.run(main())
-    assert sum(e["holding"] for e in engines) == streams, engines  # all 16 were on an engine at the kill
+    results, engines, victim, killed_at, (asked_at, answered_at) = asyncio.run(main())
+    # A stream that had ended before the engines were asked is on no engine; one that ended while they
+    # were being asked (or whose last chunk was still on its way) may or may not have been counted.
+    # Every other stream was on exactly one engine.
+    ended_before = sum(r["end"] < asked_at for r in results)
+    maybe_ended = sum(asked_at <= r["end"] < answered_at + 0.5 for r in results)
+    holding = sum(e["holding"] for e in engines)
+    assert streams - ended_before - maybe_ended <= holding <= streams - ended_before, (
+        holding, ended_before, maybe_ended, engines)
     failed = [r for r in results if r["error"] is not None]
     completed = [r for r in results if r["finish"] == "length" and r["error"] is None]
     assert len(failed) == victim["holding"], (len(failed), victim["holding"], engines)
