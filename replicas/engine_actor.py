@@ -373,7 +373,11 @@ class EngineActor:
 
     def _persistent_worker(self, request, cancel, loop, out, request_telemetry=None) -> None:
         try:
-            for item in self.persistent.generate(request, cancel, request_telemetry):
+            items = self.persistent.generate(request, cancel, request_telemetry)
+            for item in items:
+                if _is_last(item):
+                    for _ in items:  # run the lane's cleanup first: the pages are back when the caller sees the end
+                        pass
                 if not _post(loop, out, item):
                     cancel.set()
             self._publish_gauges()  # pages are back in the pool now
@@ -442,6 +446,8 @@ class EngineActor:
                 self.engine.abort(rid)
                 deliver(rid, GenerationError(rid, f"engine step failed: {exc}", "standard", "engine", "engine_error"))
             return
+        if self.colocated:  # before the chunks go out: a caller that saw its last chunk sees its pages back
+            self._snapshot = self._colocated_stats()
         for chunk in chunks:
             if chunk.request_id in sinks:
                 deliver(chunk.request_id, chunk)
@@ -458,10 +464,11 @@ class EngineActor:
             logger.exception("persistent lane failed")
             _post(loop, out, GenerationError(rid, str(exc), "persistent", "engine", "engine_error"))
             return True
+        last = _is_last(item)
+        if last:
+            for _ in items:  # run the lane's cleanup (pages freed) now, in this thread, before the caller sees the end
+                pass
+            self._snapshot = self._colocated_stats()
         if not _post(loop, out, item):
             cancel.set()
-        if _is_last(item):
-            for _ in items:  # run the lane's cleanup (pages freed) now, in this thread
-                pass
-            return True
-        return False
+        return last
