@@ -1,24 +1,47 @@
-"""Measure what one Ray hop costs on the serving path (why the router lives in the ingress).
+"""Measure what the Ray hops cost on the serving path, hop by hop.
 
-Starts a local Ray cluster, deploys the app on the embedded model, then times
-(median and p90 over ``--iters`` calls, milliseconds):
+Starts a local Ray cluster, deploys the app (the embedded model unless ``--model``), then:
 
-* ``actor``: driver → engine actor ``stats()`` (one actor hop);
-* ``replica``: driver → PersistentReplica ``stats()`` via a Serve handle, which
-  forwards to its actor (one Serve hop + one actor hop);
-* ``http_health``: HTTP ``GET /health`` (proxy → ingress);
-* ``http_1_token``: HTTP greedy chat with ``max_tokens=1`` (proxy → ingress →
-  replica → actor → prefill), and the same request's engine time alone.
+* **hops** (``--iters`` calls each; median and p90, milliseconds):
+  ``actor``: driver → engine actor ``stats()`` (one actor hop);
+  ``replica``: driver → PersistentReplica ``stats()`` via a Serve handle, which forwards to its actor
+  (one Serve hop + one actor hop); ``http_health``: HTTP ``GET /health`` (proxy → ingress);
+  ``http_1_token``: HTTP greedy chat with ``max_tokens=1`` (proxy → ingress → replica → actor → prefill).
+* **breakdown** (``--breakdown N`` streamed requests per lane, one at a time): where a request's time to
+  first token goes, read from its own trace. The client sends a W3C ``traceparent`` with a trace id of its
+  own, the app exports every span to an OTLP receiver in this process
+  (:class:`ops.telemetry.otlp_receiver.OTLPReceiver`), and the request's spans give the segments
+  (``time.time_ns()`` clocks of one machine):
 
-Usage: ``python -m ops.bench.hops --iters 200``
+  ==================  =====================================================================
+  ``to_router``       client sends → ``route`` span starts (proxy, FastAPI, parsing, chat template,
+                      tokenization)
+  ``to_replica``      ``route`` starts → ``replica.generate`` starts (Serve handle: replica choice,
+                      the hop; on the persistent lane also the ``Started`` handshake's wait)
+  ``to_engine``       ``replica.generate`` starts → ``generation`` starts (actor hop)
+  ``engine``          ``generation`` starts → its first token leaves the actor
+                      (``gen_ai.latency.time_to_first_token``: queue, prefill, first quantum)
+  ``back``            the first token leaves the actor → the client reads it (actor → replica →
+                      ingress → proxy → client)
+  ==================  =====================================================================
+
+  On the persistent lane, ``per_chunk_back`` is the median over quanta of (client reads the chunk −
+  that ``quantum`` span ends): what each later chunk pays on the way back.
+
+Usage: ``python -m ops.bench.hops --iters 200 --breakdown 20``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import statistics
 import time
+
+LANES = ("persistent", "standard")
+SEGMENTS = ("to_router", "to_replica", "to_engine", "engine", "back")
 
 
 def _summary(samples: list[float]) -> str:
@@ -26,9 +49,100 @@ def _summary(samples: list[float]) -> str:
     return f"median {statistics.median(s) * 1e3:7.2f} ms   p90 {s[int(0.9 * (len(s) - 1))] * 1e3:7.2f} ms"
 
 
+def _traceparent() -> tuple[str, str]:
+    """A fresh sampled W3C ``traceparent`` and its trace id (32 hex digits)."""
+    trace_id, span_id = os.urandom(16).hex(), os.urandom(8).hex()
+    return f"00-{trace_id}-{span_id}-01", trace_id
+
+
+async def _one_request(client, body: dict, lane: str) -> dict:
+    """One streamed chat request with a trace of its own: send time, content chunks' arrival times (ns)."""
+    header, trace_id = _traceparent()
+    sent = time.time_ns()
+    chunks: list[int] = []
+    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True},
+                             headers={"traceparent": header, "x-lane": lane}) as r:
+        r.raise_for_status()
+        served = r.headers.get("x-lane")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if any(c["delta"].get("content") for c in event.get("choices", [])):
+                chunks.append(time.time_ns())
+    return {"trace_id": trace_id, "sent": sent, "chunks": chunks, "lane": served}
+
+
+def segments(record: dict, spans: list) -> dict[str, float] | None:
+    """The request's TTFT segments (seconds) from its spans (``ReceivedSpan``s of its trace), or None when
+    a span is missing (not exported yet) or nothing was streamed."""
+    by_name: dict[str, list] = {}
+    for span in spans:
+        by_name.setdefault(span.name, []).append(span)
+    need = ("route", "replica.generate", "generation")
+    if not record["chunks"] or any(name not in by_name for name in need):
+        return None
+    route = by_name["route"][0]
+    replica = min(by_name["replica.generate"], key=lambda s: s.start_ns)
+    generation = min(by_name["generation"], key=lambda s: s.start_ns)
+    ttft = generation.attributes.get("gen_ai.latency.time_to_first_token")
+    if ttft is None:
+        return None
+    first_out = generation.start_ns + ttft * 1e9
+    out = {"to_router": (route.start_ns - record["sent"]) / 1e9,
+           "to_replica": (replica.start_ns - route.start_ns) / 1e9,
+           "to_engine": (generation.start_ns - replica.start_ns) / 1e9,
+           "engine": float(ttft),
+           "back": (record["chunks"][0] - first_out) / 1e9,
+           "ttft": (record["chunks"][0] - record["sent"]) / 1e9}
+    quanta = sorted((s for s in by_name.get("quantum", []) if s.attributes.get("quantum.tokens_emitted")),
+                    key=lambda s: s.end_ns)
+    if quanta and len(quanta) == len(record["chunks"]):
+        out["per_chunk_back"] = statistics.median(
+            (arrived - q.end_ns) / 1e9 for arrived, q in zip(record["chunks"], quanta, strict=True))
+    return out
+
+
+def breakdown(base: str, receiver, model: str, n: int, max_tokens: int, lanes=LANES) -> dict[str, dict]:
+    """``n`` streamed greedy requests per lane, one at a time (after 2 warm-ups); the median of each
+    segment (ms) per lane and the lane that served."""
+    import httpx
+
+    body = {"model": model, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me about the sea."}]}
+
+    async def run(lane: str, count: int) -> list[dict]:
+        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+            return [await _one_request(client, body, lane) for _ in range(count)]
+
+    out = {}
+    for lane in lanes:
+        asyncio.run(run(lane, 2))
+        records = asyncio.run(run(lane, n))
+        rows = []
+        for record in records:
+            deadline = time.monotonic() + 20
+            while True:  # the generation span ends last (after the stream), so wait for it
+                spans = [s for s in receiver.spans() if s.trace_id == record["trace_id"]]
+                row = segments(record, spans)
+                if row is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            if row is not None:
+                rows.append(row)
+        keys = [*SEGMENTS, "ttft", *(["per_chunk_back"] if any("per_chunk_back" in r for r in rows) else [])]
+        out[lane] = {"requests": len(rows), "served": sorted({r["lane"] or "?" for r in records}),
+                     **{k: round(statistics.median(r[k] for r in rows if k in r) * 1e3, 3) for k in keys if rows}}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--iters", type=int, default=200, help="calls per hop measurement (0: skip them)")
+    p.add_argument("--breakdown", type=int, default=0, help="streamed requests per lane for the TTFT breakdown")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per breakdown request")
+    p.add_argument("--model", default=None, help="the app's model (default: the embedded one)")
+    p.add_argument("--app-args", default="{}", help="more app arguments, JSON (e.g. '{\"device\": \"cuda\"}')")
     p.add_argument("--port", type=int, default=8123)
     args = p.parse_args(argv)
 
@@ -37,46 +151,58 @@ def main(argv: list[str] | None = None) -> None:
     from ray import serve
 
     from deployments.app import build_app
+    from ops.telemetry.otlp_receiver import OTLPReceiver
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    serve.run(build_app({"progress": False}), name="bench", route_prefix="/")
-    replica = serve.get_deployment_handle("PersistentReplica", app_name="bench")
+    receiver = OTLPReceiver().start()
+    app_args = {"progress": False, **({"model": args.model} if args.model else {}), **json.loads(args.app_args)}
+    if args.breakdown:
+        app_args.update(tracing_exporter="otlp", tracing_endpoint=receiver.endpoint, tracing_protocol="http/protobuf",
+                        tracing_schedule_delay_ms=50)
+    serve.run(build_app(app_args), name="bench", route_prefix="/")
     base = f"http://127.0.0.1:{args.port}"
-    chat = {"model": "smollm2-135m-instruct", "temperature": 0, "max_tokens": 1,
-            "messages": [{"role": "user", "content": "Hi"}]}
+    model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+    chat = {"model": model, "temperature": 0, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
 
     async def run() -> dict[str, list[float]]:
         named = ray.util.list_named_actors(all_namespaces=True)
         entry = next(a for a in named if a["name"].startswith("persistent-serve-engine-persistent"))
         actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
+        replica = serve.get_deployment_handle("PersistentReplica", app_name="bench")
         out: dict[str, list[float]] = {"actor": [], "replica": [], "http_health": [], "http_1_token": []}
         async with httpx.AsyncClient(base_url=base, timeout=60) as client:
             for _ in range(args.iters):
-                if actor is not None:
-                    t = time.perf_counter()
-                    await actor.stats.remote()
-                    out["actor"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                await actor.stats.remote()
+                out["actor"].append(time.perf_counter() - t)
                 t = time.perf_counter()
                 await replica.stats.remote()
                 out["replica"].append(time.perf_counter() - t)
                 t = time.perf_counter()
                 await client.get("/health")
                 out["http_health"].append(time.perf_counter() - t)
-            for _ in range(max(10, args.iters // 10)):
+            for _ in range(max(10, args.iters // 10) if args.iters else 0):
                 t = time.perf_counter()
                 r = await client.post("/v1/chat/completions", json=chat)
                 r.raise_for_status()
                 out["http_1_token"].append(time.perf_counter() - t)
         return out
 
-    results = asyncio.run(run())
-    print(f"\nRay hop latency ({args.iters} iterations, local cluster)")
-    for name, samples in results.items():
-        if samples:
-            print(f"  {name:14s} {_summary(samples)}")
+    if args.iters:
+        results = asyncio.run(run())
+        print(f"\nRay hop latency ({args.iters} iterations, local cluster)")
+        for name, samples in results.items():
+            if samples:
+                print(f"  {name:14s} {_summary(samples)}")
+    if args.breakdown:
+        print(f"\nTTFT breakdown ({args.breakdown} streamed greedy requests per lane, {args.max_tokens} tokens; "
+              "medians, ms)")
+        for lane, row in breakdown(base, receiver, model, args.breakdown, args.max_tokens).items():
+            print(f"  {lane:10s} " + json.dumps(row))
     serve.shutdown()
     ray.shutdown()
+    receiver.stop()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ Spans (names and attributes from :mod:`ops.telemetry.tracing`):
 * ``generation``: one per request in the engine actor, child of the replica's
   ``replica.generate`` span through the ``traceparent`` carried in
   ``GenerateRequest.trace_context``; GenAI attributes (model, temperature,
-  max tokens, input/output tokens, finish reasons) plus ``lane`` and the engine's kernel choices,
+  max tokens, input/output tokens, finish reasons, ``gen_ai.latency.time_to_first_token``: seconds from the
+  request's arrival in the actor to its first output token leaving it) plus ``lane`` and the engine's kernel choices,
   resolved once at load (``engine.moe_backend``, ``engine.pdl``, ...: :attr:`EngineTelemetry.settings`).
 * ``quantum``: one per persistent quantum, child of ``generation``, with the
   quantum's size, tokens emitted, finish reason and backend; its start and end
@@ -31,6 +32,7 @@ from ops.telemetry.tracing import (
     ATTR_GEN_AI_MODEL,
     ATTR_GEN_AI_OUTPUT_TOKENS,
     ATTR_GEN_AI_TEMPERATURE,
+    ATTR_GEN_AI_TTFT,
     ATTR_LANE,
     ATTR_REQUEST_ID,
     SPAN_GENERATION,
@@ -90,6 +92,8 @@ class RequestTelemetry:
         """Account one item the actor streams back (chunk, rejection or error)."""
         tokens = getattr(item, "token_ids", None)
         if tokens is not None:
+            if tokens and not self.output_tokens:
+                self.span.set_attribute(ATTR_GEN_AI_TTFT, time.monotonic() - self._arrival)
             self.output_tokens += len(tokens)
             if item.finish_reason:
                 self.finish_reasons.append(item.finish_reason)

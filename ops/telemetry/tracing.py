@@ -114,6 +114,8 @@ ATTR_GEN_AI_MAX_TOKENS = "gen_ai.request.max_tokens"
 ATTR_GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 ATTR_GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 ATTR_GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
+# Not in the conventions yet; vLLM's request spans use the same key. Seconds, as a float.
+ATTR_GEN_AI_TTFT = "gen_ai.latency.time_to_first_token"
 
 FallbackStage = Literal["prelaunch", "postlaunch"]
 FALLBACK_STAGES: tuple[str, ...] = ("prelaunch", "postlaunch")

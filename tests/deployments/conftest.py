@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from tests.ops.otlp_receiver import OTLPReceiver
+from ops.telemetry.otlp_receiver import OTLPReceiver
 
 MODEL = "smollm2-135m-instruct"
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from ops.telemetry import tracing
+from ops.telemetry.otlp_receiver import OTLPReceiver
 from ops.telemetry.tracing import (
     TracingConfig,
     extract_context,
@@ -16,7 +17,6 @@ from ops.telemetry.tracing import (
     record_fallback,
     setup_tracing,
 )
-from tests.ops.otlp_receiver import OTLPReceiver
 
 
 @pytest.fixture

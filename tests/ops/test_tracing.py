@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ops.telemetry import tracing
+from ops.telemetry.otlp_receiver import OTLPReceiver, ReceivedSpan
 from ops.telemetry.tracing import (
     ATTR_FALLBACK_REASON,
     ATTR_FALLBACK_STAGE,
@@ -26,7 +27,6 @@ from ops.telemetry.tracing import (
     route_span,
     setup_tracing,
 )
-from tests.ops.otlp_receiver import OTLPReceiver, ReceivedSpan
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""A real OTLP/HTTP trace receiver for tests.
+"""A real OTLP/HTTP trace receiver, for tests and for the latency breakdown of ``ops.bench.hops``.
 
 :class:`OTLPReceiver` is not a mock: it is a small HTTP server that speaks the
 OTLP/HTTP protobuf protocol (``POST /v1/traces`` with an
@@ -41,6 +41,8 @@ class ReceivedSpan:
 
     Ids are lowercase hex (trace id 32 characters, span ids 16); a root span has
     ``parent_span_id == ""``. ``events`` holds ``(name, attributes)`` pairs in order.
+    ``start_ns`` / ``end_ns``: the span's start and end, Unix time in nanoseconds (the
+    exporting process's wall clock).
     """
 
     name: str
@@ -50,6 +52,8 @@ class ReceivedSpan:
     attributes: dict[str, Any] = field(default_factory=dict)
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     service_name: str = ""
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 def _any_value(value: AnyValue) -> Any:
@@ -85,6 +89,8 @@ def _spans_of(request: ExportTraceServiceRequest) -> list[ReceivedSpan]:
                             (event.name, _attributes(event.attributes)) for event in span.events
                         ],
                         service_name=service_name,
+                        start_ns=span.start_time_unix_nano,
+                        end_ns=span.end_time_unix_nano,
                     )
                 )
     return received
