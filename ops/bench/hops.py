@@ -14,8 +14,11 @@ Starts a local Ray cluster, deploys the app (the embedded model unless ``--model
   (``time.time_ns()`` clocks of one machine):
 
   ==================  =====================================================================
-  ``to_router``       client sends → ``route`` span starts (proxy, FastAPI, parsing, chat template,
-                      tokenization)
+  ``to_ingress``      client sends → the ingress's HTTP span (``POST /v1/chat/completions``, opened
+                      by FastAPI as the request enters the app) starts: client, proxy, Serve's
+                      ASGI hand-over
+  ``ingress``         the HTTP span starts → ``route`` starts (validation, chat template,
+                      tokenization, the request guard)
   ``to_replica``      ``route`` starts → ``replica.generate`` starts (Serve handle: replica choice,
                       the hop; on the persistent lane also the ``Started`` handshake's wait)
   ``to_engine``       ``replica.generate`` starts → ``generation`` starts (actor hop)
@@ -25,8 +28,8 @@ Starts a local Ray cluster, deploys the app (the embedded model unless ``--model
                       ingress → proxy → client)
   ==================  =====================================================================
 
-  On the persistent lane, ``per_chunk_back`` is the median over quanta of (client reads the chunk −
-  that ``quantum`` span ends): what each later chunk pays on the way back.
+  On the persistent lane, ``per_chunk_back`` is the median over quanta of (client reads the quantum's
+  chunk − that ``quantum`` span ends): what each later chunk pays on the way back.
 
 Usage: ``python -m ops.bench.hops --iters 200 --breakdown 20``
 """
@@ -41,7 +44,7 @@ import statistics
 import time
 
 LANES = ("persistent", "standard")
-SEGMENTS = ("to_router", "to_replica", "to_engine", "engine", "back")
+SEGMENTS = ("to_ingress", "ingress", "to_replica", "to_engine", "engine", "back")
 
 
 def _summary(samples: list[float]) -> str:
@@ -55,12 +58,12 @@ def _traceparent() -> tuple[str, str]:
     return f"00-{trace_id}-{span_id}-01", trace_id
 
 
-async def _one_request(client, body: dict, lane: str) -> dict:
-    """One streamed chat request with a trace of its own: send time, content chunks' arrival times (ns)."""
+async def _one_request(client, path: str, body: dict, lane: str) -> dict:
+    """One streamed request with a trace of its own: send time, output chunks' arrival times (ns)."""
     header, trace_id = _traceparent()
     sent = time.time_ns()
     chunks: list[int] = []
-    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True},
+    async with client.stream("POST", path, json={**body, "stream": True},
                              headers={"traceparent": header, "x-lane": lane}) as r:
         r.raise_for_status()
         served = r.headers.get("x-lane")
@@ -68,7 +71,7 @@ async def _one_request(client, body: dict, lane: str) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if any(c["delta"].get("content") for c in event.get("choices", [])):
+            if any(c.get("text") or (c.get("delta") or {}).get("content") for c in event.get("choices", [])):
                 chunks.append(time.time_ns())
     return {"trace_id": trace_id, "sent": sent, "chunks": chunks, "lane": served}
 
@@ -79,17 +82,19 @@ def segments(record: dict, spans: list) -> dict[str, float] | None:
     by_name: dict[str, list] = {}
     for span in spans:
         by_name.setdefault(span.name, []).append(span)
+    http = [s for s in spans if s.name.startswith("POST ") and s.name.endswith("/completions")]
     need = ("route", "replica.generate", "generation")
-    if not record["chunks"] or any(name not in by_name for name in need):
+    if not record["chunks"] or not http or any(name not in by_name for name in need):
         return None
-    route = by_name["route"][0]
+    http, route = http[0], by_name["route"][0]
     replica = min(by_name["replica.generate"], key=lambda s: s.start_ns)
     generation = min(by_name["generation"], key=lambda s: s.start_ns)
     ttft = generation.attributes.get("gen_ai.latency.time_to_first_token")
     if ttft is None:
         return None
     first_out = generation.start_ns + ttft * 1e9
-    out = {"to_router": (route.start_ns - record["sent"]) / 1e9,
+    out = {"to_ingress": (http.start_ns - record["sent"]) / 1e9,
+           "ingress": (route.start_ns - http.start_ns) / 1e9,
            "to_replica": (replica.start_ns - route.start_ns) / 1e9,
            "to_engine": (generation.start_ns - replica.start_ns) / 1e9,
            "engine": float(ttft),
@@ -97,23 +102,34 @@ def segments(record: dict, spans: list) -> dict[str, float] | None:
            "ttft": (record["chunks"][0] - record["sent"]) / 1e9}
     quanta = sorted((s for s in by_name.get("quantum", []) if s.attributes.get("quantum.tokens_emitted")),
                     key=lambda s: s.end_ns)
-    if quanta and len(quanta) == len(record["chunks"]):
+    later = record["chunks"][len(record["chunks"]) - len(quanta):]  # the prefill's token comes first, alone
+    if quanta and len(record["chunks"]) - len(quanta) in (0, 1):
         out["per_chunk_back"] = statistics.median(
-            (arrived - q.end_ns) / 1e9 for arrived, q in zip(record["chunks"], quanta, strict=True))
+            (arrived - q.end_ns) / 1e9 for arrived, q in zip(later, quanta, strict=True))
     return out
 
 
-def breakdown(base: str, receiver, model: str, n: int, max_tokens: int, lanes=LANES) -> dict[str, dict]:
+def breakdown(base: str, receiver, model: str, n: int, max_tokens: int, lanes=LANES,
+              prompt_token_ids: list[int] | None = None) -> dict[str, dict]:
     """``n`` streamed greedy requests per lane, one at a time (after 2 warm-ups); the median of each
-    segment (ms) per lane and the lane that served."""
+    segment (ms) per lane and the lane that served.
+
+    Chat requests (one short user message), or completions of ``prompt_token_ids`` when given (models
+    without a chat template). The app must export its spans to ``receiver`` (an
+    :class:`~ops.telemetry.otlp_receiver.OTLPReceiver`); a sample ratio of 0 is enough, since these
+    requests' ``traceparent`` says sampled.
+    """
     import httpx
 
-    body = {"model": model, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "Tell me about the sea."}]}
+    body = {"model": model, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
+    if prompt_token_ids is None:
+        path, body["messages"] = "v1/chat/completions", [{"role": "user", "content": "Tell me about the sea."}]
+    else:
+        path, body["prompt"] = "v1/completions", list(prompt_token_ids)
 
     async def run(lane: str, count: int) -> list[dict]:
-        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
-            return [await _one_request(client, body, lane) for _ in range(count)]
+        async with httpx.AsyncClient(base_url=base.rstrip("/") + "/", timeout=120) as client:
+            return [await _one_request(client, path, body, lane) for _ in range(count)]
 
     out = {}
     for lane in lanes:

@@ -46,7 +46,7 @@ import httpx
 
 MODELS = ("smollm2", "gpt-oss-120b", "gpt-oss-20b")
 """Default order: SmolLM2 (the fault and equivalence checks), then the production shape, then 20b."""
-SECTION_COST_S = {"smollm2": 60, "gsm8k": 30, "fault": 60, "engine:smollm2": 40,
+SECTION_COST_S = {"smollm2": 60, "gsm8k": 30, "fault": 60, "engine:smollm2": 40, "throughput_optimized": 90,
                   "gpt-oss-120b": 160, "engine:gpt-oss-120b": 100, "gpt-oss-20b": 100, "engine:gpt-oss-20b": 60,
                   "pytest": 90}
 """Rough device seconds of each section on an H200 (deploy + serving runs; the engine-direct runs after;
@@ -127,6 +127,10 @@ class Recipe:
                 log(f"ray.init failed ({exc}); again")
                 ray.shutdown()
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        if getattr(self, "receiver", None) is None:
+            from ops.telemetry.otlp_receiver import OTLPReceiver
+
+            self.receiver = OTLPReceiver().start()  # the apps export the breakdown's traces here
         self.results["ray_start_s"] = round(time.monotonic() - t0, 2)
         self.results["machine"] = machine()
         log(f"Ray + Serve up in {self.results['ray_start_s']} s: {self.results['machine']}")
@@ -191,8 +195,14 @@ def app_args(recipe: Recipe, model: str) -> tuple[dict, dict]:
     """``(serve args, engine facts)`` of ``model``: ``engine facts`` say how to build the same engine
     directly (shape name, model directory)."""
     a = recipe.args
-    common = {"max_model_len": prompt_len(a, model) + a.new_tokens + 64, "num_kv_blocks": a.num_kv_blocks,
-              "progress": False, "tracing_exporter": "none", "engine_num_cpus": 1.0}
+    # traces: only requests whose traceparent says sampled (the breakdown's) are recorded and exported
+    tracing = ({"tracing_exporter": "otlp", "tracing_endpoint": recipe.receiver.endpoint, "tracing_sample_ratio": 0.0,
+                "tracing_protocol": "http/protobuf", "tracing_schedule_delay_ms": 50}
+               if getattr(recipe, "receiver", None) is not None else {"tracing_exporter": "none"})
+    # SmolLM2 also serves the 3-shot GSM8K prompts (about 450 tokens + --gsm8k-tokens)
+    room = prompt_len(a, model) + a.new_tokens + 64
+    common = {"max_model_len": max(room, 1024) if model == "smollm2" else room, "num_kv_blocks": a.num_kv_blocks,
+              "progress": False, "engine_num_cpus": 1.0, **tracing}
     if a.cpu_smoke:
         common.update(device="cpu", persistent_backend="eager", engine_num_cpus=0.5)
     else:
@@ -259,6 +269,55 @@ def serve_bench(recipe: Recipe, base: str, model: str, served: str, vocab: int) 
         log(f"  serve {label}: TTFT p50 {_p50(s, 'ttft')} ms, TPOT p50 {_p50(s, 'tpot')} ms, ITL p50 "
             f"{_p50(s, 'itl')} ms, E2EL p50 {_p50(s, 'e2el')} ms, lanes {out[label]['lanes']}, failed {s['failed']}")
     return out
+
+
+def ttft_breakdown(recipe: Recipe, base: str, model: str, served: str, vocab: int) -> dict:
+    """Where the TTFT through Serve goes, hop by hop, per lane (:func:`ops.bench.hops.breakdown`: 20 streamed
+    greedy requests one at a time, read from their traces): chat on SmolLM2, a completion of random token
+    ids on the GPT-OSS shapes (one prompt, so after the first request its prefill is a prefix-cache hit)."""
+    from ops.bench.hops import breakdown
+
+    prompt = None
+    if model != "smollm2":
+        prompt = run_prompts("breakdown", 1, prompt_len(recipe.args, model), vocab)[0][0]
+    out = breakdown(base, recipe.receiver, served, 20, 32, prompt_token_ids=prompt)
+    for lane, row in out.items():
+        log(f"  breakdown {lane}: {json.dumps(row)}")
+    return out
+
+
+def throughput_optimized(recipe: Recipe) -> dict | None:
+    """SmolLM2 again on a fresh cluster with Ray Serve's ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` (user code on
+    the replica's own event loop, no separate router loop, gRPC between deployments, direct ingress: no
+    proxy actor; Ray's own settings, read by each Ray process at start): its serve bench and TTFT breakdown,
+    with the engine-direct numbers of the first SmolLM2 run, as the model ``smollm2 (throughput-optimized)``."""
+    import ray
+    from ray import serve
+
+    first = recipe.results["models"].get("smollm2") or {}
+    serve.shutdown()
+    ray.shutdown()
+    os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+    recipe.start()
+    res: dict = {"ray_env": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
+    recipe.results["models"]["smollm2 (throughput-optimized)"] = res
+    from ops.tools.model_shapes import shape_config
+
+    args, facts = app_args(recipe, "smollm2")
+    vocab = shape_config(facts["shape"])["vocab_size"]
+    base, startup = recipe.deploy("smollm2", args)
+    res["startup_s"] = round(startup, 1)
+    res["proxy_actors"] = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                                 if "PROXY" in a["name"])  # none with direct ingress
+    res["serve"] = recipe.guarded("smollm2 (throughput-optimized): serve bench", serve_bench, recipe, base, "smollm2",
+                                  facts["served"], vocab)
+    res["breakdown"] = recipe.guarded("smollm2 (throughput-optimized): TTFT breakdown", ttft_breakdown, recipe, base,
+                                      "smollm2", facts["served"], vocab)
+    recipe.undeploy("smollm2")
+    if first.get("engine"):
+        res["engine"] = first["engine"]
+    res["table"] = overhead_rows(res)
+    return res
 
 
 def engine_bench(recipe: Recipe, model: str, facts: dict, vocab: int) -> dict:
@@ -337,7 +396,7 @@ def run_model(recipe: Recipe, model: str) -> None:
     recipe.results["models"][model] = res
     args, facts = app_args(recipe, model)
     vocab = shape_config(facts["shape"])["vocab_size"]
-    res["app"] = {k: v for k, v in args.items() if k not in ("tracing_exporter", "progress")}
+    res["app"] = {k: v for k, v in args.items() if not k.startswith("tracing_") and k != "progress"}
     base, startup = recipe.deploy(model, args)
     res["startup_s"] = round(startup, 1)
     log(f"{model}: app up in {startup:.1f} s at {base}")
@@ -347,6 +406,7 @@ def run_model(recipe: Recipe, model: str) -> None:
     served = facts["served"]
     res["openai"] = recipe.guarded(f"{model}: openai", openai_smoke, base, served, model == "smollm2")
     res["serve"] = recipe.guarded(f"{model}: serve bench", serve_bench, recipe, base, model, served, vocab)
+    res["breakdown"] = recipe.guarded(f"{model}: TTFT breakdown", ttft_breakdown, recipe, base, model, served, vocab)
     if model == "smollm2" and recipe.fits("gsm8k"):
         res["gsm8k"] = recipe.guarded("smollm2: gsm8k", gsm8k_equivalence, recipe, base, served)
     if model == "gpt-oss-120b":
@@ -467,7 +527,9 @@ def report(results: dict) -> str:
     lines = [f"Machine: {results.get('machine', '?')}. Ray + Serve started in {results.get('ray_start_s')} s.", ""]
     for model, res in results["models"].items():
         lines += [f"### {model}", "", f"App: `{json.dumps(res.get('app', {}), sort_keys=True)}`; up (``/health`` "
-                  f"200) in {res.get('startup_s')} s; openai client: {res.get('openai')}", ""]
+                  f"200) in {res.get('startup_s')} s; openai client: {res.get('openai')}"
+                  + (f"; Ray env {res['ray_env']}, proxy actors {res.get('proxy_actors')}" if res.get("ray_env") else ""),
+                  ""]
         if res.get("table"):
             lines += ["| run | TTFT serve / engine (ms) | TPOT serve / engine | ITL serve / engine | "
                       "E2EL serve / engine | Serve adds to TTFT | to TPOT |", "|---|---|---|---|---|---|---|"]
@@ -485,6 +547,16 @@ def report(results: dict) -> str:
         elif res.get("serve"):
             for label, v in res["serve"].items():
                 lines.append(f"- serve {label}: {json.dumps(v['summary'])}")
+            lines.append("")
+        if res.get("breakdown"):
+            from ops.bench.hops import SEGMENTS
+
+            lines += ["TTFT through Serve, hop by hop (medians, ms; `ops.bench.hops`):", "",
+                      "| lane | " + " | ".join(SEGMENTS) + " | TTFT | later chunks' way back |",
+                      "|---|" + "---|" * (len(SEGMENTS) + 2)]
+            for lane, row in res["breakdown"].items():
+                lines.append(f"| {lane} | " + " | ".join(str(row.get(k, "-")) for k in SEGMENTS)
+                             + f" | {row.get('ttft', '-')} | {row.get('per_chunk_back', '-')} |")
             lines.append("")
         if res.get("gsm8k"):
             g = res["gsm8k"]
@@ -523,6 +595,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu-smoke", action="store_true",
                    help="the same path on CPU, small: SmolLM2 (eager backend) and tiny GPT-OSS shapes")
     p.add_argument("--verbose", action="store_true", help="print the Ray workers' logs too")
+    p.add_argument("--no-throughput-optimized", dest="throughput_optimized", action="store_false",
+                   help="skip the second SmolLM2 run under RAY_SERVE_THROUGHPUT_OPTIMIZED=1")
     p.add_argument("--no-pytest", dest="pytest", action="store_false",
                    help="do not run tests/gpu/test_app_gpu.py at the end (it runs when the budget allows)")
     args = p.parse_args(argv)
@@ -550,6 +624,8 @@ def main(argv: list[str] | None = None) -> dict:
                 recipe.undeploy(model)
             except Exception:  # noqa: BLE001 - already deleted (normal) or never deployed
                 pass
+        if args.throughput_optimized and "smollm2" in recipe.results["models"] and recipe.fits("throughput_optimized"):
+            recipe.guarded("smollm2 (throughput-optimized)", throughput_optimized, recipe)
     finally:
         recipe.save()
         print(report(recipe.results), flush=True)

@@ -64,3 +64,21 @@ def test_eval_gsm8k_lanes_agree_on_every_completion(server, tmp_path):
 def test_eval_gsm8k_names_the_option_when_data_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="--data-dir or --test-file"):
         eval_gsm8k.main(["--data-dir", str(tmp_path), "--limit", "1"])
+
+
+def test_ttft_breakdown_reads_each_hop_from_the_requests_own_traces(server, otlp):
+    """``ops.bench.hops.breakdown`` against the real app: every segment was read from the request's spans,
+    each is positive, and together they are the client's TTFT (one machine's clock)."""
+    from ops.bench.hops import SEGMENTS, breakdown
+
+    model = "smollm2-135m-instruct"
+    out = breakdown(server, otlp, model, 3, 4)
+    assert set(out) == {"persistent", "standard"}
+    for lane, row in out.items():
+        assert row["requests"] == 3 and row["served"] == [lane], row
+        assert all(row[k] > 0 for k in SEGMENTS), row
+        # medians of the parts need not add up to the median of the whole, but they are of the same requests
+        assert 0.5 * row["ttft"] <= sum(row[k] for k in SEGMENTS) <= 1.5 * row["ttft"], row
+    assert out["persistent"]["per_chunk_back"] > 0  # 4 tokens: one chunk from the prefill, one quantum
+    ids = breakdown(server, otlp, model, 2, 4, lanes=("standard",), prompt_token_ids=[1, 2, 3, 4, 5])
+    assert ids["standard"]["requests"] == 2 and ids["standard"]["engine"] > 0
