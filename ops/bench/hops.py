@@ -30,8 +30,10 @@ Starts a local Ray cluster, deploys the app (the embedded model unless ``--model
 
   On the persistent lane, ``per_chunk_back`` is the median over quanta of (client reads the quantum's
   chunk − that ``quantum`` span ends): what each later chunk pays on the way back.
+* **CPU per token** (``--cpu-per-token C``): each serving process's CPU time per output token while
+  streams run at concurrency ``C`` on the standard lane (:func:`cpu_per_token`).
 
-Usage: ``python -m ops.bench.hops --iters 200 --breakdown 20``
+Usage: ``python -m ops.bench.hops --iters 200 --breakdown 20 --cpu-per-token 8``
 """
 
 from __future__ import annotations
@@ -152,11 +154,83 @@ def breakdown(base: str, receiver, model: str, n: int, max_tokens: int, lanes=LA
     return out
 
 
+def _ray_processes() -> dict[int, str]:
+    """``pid -> role`` of this machine's Ray worker processes that serve requests (their process title,
+    ``ray::ServeReplica:<app>:<deployment>``, ``ray::ProxyActor``, ``ray::EngineActor``, shortened)."""
+    import psutil
+
+    out = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        title = " ".join(proc.info.get("cmdline") or [])
+        if not title.startswith("ray::"):
+            continue
+        if "ServeReplica" in title:
+            out[proc.info["pid"]] = title.split()[0].split(":")[-1]  # the deployment name
+        elif "ProxyActor" in title:
+            out[proc.info["pid"]] = "ProxyActor"
+        elif "EngineActor" in title:
+            out[proc.info["pid"]] = "EngineActor"
+    return out
+
+
+def cpu_per_token(base: str, model: str, concurrency: int, requests: int, max_tokens: int,
+                  lane: str = "standard", prompt_token_ids: list[int] | None = None) -> dict:
+    """CPU time each serving process spends per output token while ``requests`` streamed requests run at
+    ``concurrency`` on ``lane`` (``ignore_eos``; a completion of ``prompt_token_ids``, else a short chat):
+    ``{role: ms of CPU per output token}`` (roles summed over their processes, as
+    :func:`_ray_processes` names them), plus ``output_tok_s``. Where the streams' tokens pass through
+    several processes, the busiest one bounds the tokens per second the app can stream."""
+    import httpx
+    import psutil
+
+    body = {"model": model, "temperature": 0.7, "seed": 1, "max_tokens": max_tokens, "ignore_eos": True}
+    if prompt_token_ids is None:
+        path, body["messages"] = "v1/chat/completions", [{"role": "user", "content": "Tell me about the sea."}]
+    else:
+        path, body["prompt"] = "v1/completions", list(prompt_token_ids)
+    roles = _ray_processes()
+    procs = {pid: psutil.Process(pid) for pid in roles}
+
+    def cpu() -> dict[int, float]:
+        out = {}
+        for pid, proc in procs.items():
+            try:
+                t = proc.cpu_times()
+                out[pid] = t.user + t.system
+            except psutil.Error:
+                pass
+        return out
+
+    async def run() -> int:
+        sem = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(base_url=base.rstrip("/") + "/", timeout=300,
+                                     limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+            async def one() -> int:
+                async with sem:
+                    record = await _one_request(client, path, body, lane)
+                    return len(record["chunks"])
+            return sum(await asyncio.gather(*(one() for _ in range(requests))))
+
+    asyncio.run(run())  # warm-up (graphs, caches) outside the measurement
+    before, t0 = cpu(), time.perf_counter()
+    chunks = asyncio.run(run())
+    elapsed, after = time.perf_counter() - t0, cpu()
+    tokens = requests * max_tokens
+    out: dict = {"concurrency": concurrency, "output_tok_s": round(tokens / elapsed, 1),
+                 "chunks_per_token": round(chunks / tokens, 3)}
+    for pid, role in roles.items():
+        if pid in before and pid in after:
+            out[role] = out.get(role, 0.0) + (after[pid] - before[pid]) * 1e3 / tokens
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=200, help="calls per hop measurement (0: skip them)")
     p.add_argument("--breakdown", type=int, default=0, help="streamed requests per lane for the TTFT breakdown")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per breakdown request")
+    p.add_argument("--cpu-per-token", type=int, default=0, metavar="C",
+                   help="also measure each process's CPU time per output token at concurrency C (standard lane)")
     p.add_argument("--model", default=None, help="the app's model (default: the embedded one)")
     p.add_argument("--app-args", default="{}", help="more app arguments, JSON (e.g. '{\"device\": \"cuda\"}')")
     p.add_argument("--port", type=int, default=8123)
@@ -216,6 +290,10 @@ def main(argv: list[str] | None = None) -> None:
               "medians, ms)")
         for lane, row in breakdown(base, receiver, model, args.breakdown, args.max_tokens).items():
             print(f"  {lane:10s} " + json.dumps(row))
+    if args.cpu_per_token:
+        c = args.cpu_per_token
+        print(f"\nCPU per output token at concurrency {c} (standard lane, {4 * c} requests x 64 tokens; ms)")
+        print("  " + json.dumps(cpu_per_token(base, model, c, 4 * c, 64)))
     serve.shutdown()
     ray.shutdown()
     receiver.stop()

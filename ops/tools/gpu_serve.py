@@ -274,8 +274,10 @@ def serve_bench(recipe: Recipe, base: str, model: str, served: str, vocab: int) 
 def ttft_breakdown(recipe: Recipe, base: str, model: str, served: str, vocab: int) -> dict:
     """Where the TTFT through Serve goes, hop by hop, per lane (:func:`ops.bench.hops.breakdown`: 20 streamed
     greedy requests one at a time, read from their traces): chat on SmolLM2, a completion of random token
-    ids on the GPT-OSS shapes (one prompt, so after the first request its prefill is a prefix-cache hit)."""
-    from ops.bench.hops import breakdown
+    ids on the GPT-OSS shapes (one prompt, so after the first request its prefill is a prefix-cache hit).
+    Then each serving process's CPU time per output token on the standard lane at c=8 and c=32
+    (:func:`ops.bench.hops.cpu_per_token`, 64-token completions)."""
+    from ops.bench.hops import breakdown, cpu_per_token
 
     prompt = None
     if model != "smollm2":
@@ -283,6 +285,11 @@ def ttft_breakdown(recipe: Recipe, base: str, model: str, served: str, vocab: in
     out = breakdown(base, recipe.receiver, served, 20, 32, prompt_token_ids=prompt)
     for lane, row in out.items():
         log(f"  breakdown {lane}: {json.dumps(row)}")
+    if prompt is None:
+        prompt = run_prompts("cpu per token", 1, 256, vocab)[0][0]
+    for c in (8, 32):  # which process's CPU bounds the tokens per second the app can stream
+        out[f"cpu_per_token c={c}"] = row = cpu_per_token(base, served, c, 4 * c, 64, prompt_token_ids=prompt)
+        log(f"  CPU per output token, standard c={c}: {json.dumps(row)}")
     return out
 
 
@@ -555,8 +562,14 @@ def report(results: dict) -> str:
                       "| lane | " + " | ".join(SEGMENTS) + " | TTFT | later chunks' way back |",
                       "|---|" + "---|" * (len(SEGMENTS) + 2)]
             for lane, row in res["breakdown"].items():
+                if lane.startswith("cpu_per_token"):
+                    continue
                 lines.append(f"| {lane} | " + " | ".join(str(row.get(k, "-")) for k in SEGMENTS)
                              + f" | {row.get('ttft', '-')} | {row.get('per_chunk_back', '-')} |")
+            lines.append("")
+            for key, row in res["breakdown"].items():
+                if key.startswith("cpu_per_token"):
+                    lines.append(f"- CPU ms per output token, standard lane {key.split()[-1]}: {json.dumps(row)}")
             lines.append("")
         if res.get("gsm8k"):
             g = res["gsm8k"]

@@ -38,6 +38,9 @@ WHEELS = (
     # tracing (the ingress and engines import the SDK; exporters only when asked for)
     "opentelemetry-api==1.45.2", "opentelemetry-sdk==1.45.2", "opentelemetry-semantic-conventions==0.66b2",
     "opentelemetry-proto==1.45.2",
+    # the OTLP/HTTP exporter: gpu_serve's TTFT breakdown reads each request's spans (requests is on the device)
+    "opentelemetry-exporter-otlp-proto-http==1.45.2", "opentelemetry-exporter-otlp-proto-common==1.45.2",
+    "opentelemetry-exporter-otlp-common==0.66b2", "opentelemetry-exporter-http-transport==0.66b2",
     # the official client, GGUF reading (the embedded model's conversion), the embedded model itself
     # (openai 3.x speaks HTTP through httpx2; the first H200 run found it missing)
     "openai==3.57.0", "httpx2==2.16.2", "httpcore2==2.16.2", "truststore==0.10.5", "distro==1.9.0",
