@@ -82,3 +82,14 @@ def test_ttft_breakdown_reads_each_hop_from_the_requests_own_traces(server, otlp
     assert out["persistent"]["per_chunk_back"] > 0  # 4 tokens: one chunk from the prefill, one quantum
     ids = breakdown(server, otlp, model, 2, 4, lanes=("standard",), prompt_token_ids=[1, 2, 3, 4, 5])
     assert ids["standard"]["requests"] == 2 and ids["standard"]["engine"] > 0
+
+
+def test_cpu_per_token_names_each_serving_process_and_counts_every_token(server):
+    """``ops.bench.hops.cpu_per_token`` on the real app: the relay processes and the engine each spent CPU on
+    the streamed tokens, and every token arrived as a chunk (the standard lane streams one token per chunk)."""
+    from ops.bench.hops import cpu_per_token
+
+    row = cpu_per_token(server, "smollm2-135m-instruct", 2, 2, 6)
+    assert row["concurrency"] == 2 and row["output_tok_s"] > 0 and row["chunks_per_token"] == 1.0, row
+    for role in ("ProxyActor", "OpenAIIngress", "StandardReplica", "EngineActor"):
+        assert row[role] > 0, row
