@@ -7,26 +7,18 @@ replica = one bundle = one GPU on GPU machines, and the actor fate-shares with
 its replica. The replica's health check fails when its persistent decoder was
 marked unhealthy after a launch failure, so Serve replaces it.
 
-A replica does not relay tokens. Its ``generate`` answers one :class:`Started` that names its
-engine actor and the request as the engine must get it; the caller (the router) streams the
-events from that actor directly (one Ray hop per token instead of two: the per-token CPU of a relay,
-measured in docs/benchmarks.md, is gone), while the replica's call stays open on
-``EngineActor.wait_ended`` until the stream is over, so Serve counts the request as this
-replica's meanwhile (``max_ongoing_requests``, autoscaling). A caller that cancels the call (its
-client left) stops the engine's work through ``EngineActor.stop``.
-
 When the engine process dies (a crash, the OOM killer, ``SIGKILL``), the requests
 it was serving get a :class:`GenerationError` with reason ``engine_died`` (an
-error event and the end of their stream; the router writes it), and Ray restarts the engine in the same
+error event and the end of their stream), and Ray restarts the engine in the same
 bundle (``ENGINE_MAX_RESTARTS``; its constructor reloads the model, the KV pool
 starts full). Until it is back, the persistent replica rejects new requests
 (``decoder_unhealthy``: they fall back to the standard lane) and the standard
 replica's new requests wait for it. Once the restarts are used up the engine
 stays dead, the health check fails and Serve replaces the replica.
 
-When the ingress replica reading a stream dies, nothing tells the engine (Ray does not
-cancel a streaming call whose caller died), so each replica polls the callers of its requests
-(``CALLER_CHECK_S``) and stops the engine work of a dead one's requests, freeing their pages.
+When the ingress replica reading a stream dies, nothing tells the replica (Ray does not
+cancel a streaming call whose caller died), so each replica polls the callers it streams to
+(``CALLER_CHECK_S``) and cancels the engine work of a dead one's requests, freeing their pages.
 
 ``ColocatedReplica`` (``colocated=true``) hosts both lanes over one engine (one copy of the
 weights, one KV page pool): ``generate`` is its standard entry, ``generate_persistent`` its
@@ -60,7 +52,7 @@ from ops.telemetry.tracing import (
     setup_tracing,
 )
 from replicas.engine_actor import EngineActor
-from replicas.messages import GenerateRequest, Rejection, Started
+from replicas.messages import GenerateRequest, GenerationError, Rejection, Started
 
 ENGINE_MAX_RESTARTS = 3
 """How many times Ray restarts a replica's engine actor in place after its process died; after that
@@ -144,6 +136,7 @@ class _EngineReplica:
         self._engine_down = False  # the engine died and is not back yet
         self._engine_watch: asyncio.Task | None = None
         self._callers: dict[str, dict] = {}  # caller actor id -> {"streams": {request id: stream}, "task"}
+        self._orphaned: set[str] = set()  # request ids cancelled because their caller died
 
     def _engine_died(self) -> None:
         """The engine process died: wait in the background until Ray has restarted it."""
@@ -158,14 +151,14 @@ class _EngineReplica:
         except ray.exceptions.RayActorError:
             pass  # restarts used up: stays down; check_health fails and Serve replaces the replica
 
-    def _watch_caller(self, caller, request_id: str) -> None:
-        """Register ``request_id`` under its caller; one watcher per caller polls that the caller is alive."""
+    def _watch_caller(self, caller, request_id: str, stream) -> None:
+        """Register ``stream`` under its caller; one watcher per caller polls that the caller is alive."""
         actor_id, handle = caller
         entry = self._callers.get(actor_id)
         if entry is None:
             entry = self._callers[actor_id] = {"streams": {}}
             entry["task"] = asyncio.ensure_future(self._caller_watch(actor_id, handle))
-        entry["streams"][request_id] = True
+        entry["streams"][request_id] = stream
 
     async def _caller_watch(self, actor_id: str, handle) -> None:
         entry = self._callers[actor_id]
@@ -176,51 +169,60 @@ class _EngineReplica:
             except asyncio.TimeoutError:
                 continue  # busy, not dead
             except ray.exceptions.RayActorError:  # the ingress died: nobody reads these streams any more
-                for request_id in list(entry["streams"]):
-                    self.actor.stop.remote(request_id)
+                for request_id, stream in list(entry["streams"].items()):
+                    self._orphaned.add(request_id)
+                    ray.cancel(stream)
                 break
         self._callers.pop(actor_id, None)
 
     async def generate(self, request: GenerateRequest):
-        """Take ``request``: yield one :class:`Started` naming this replica's engine actor and the request as
-        the engine must get it (this span's trace context); the caller streams the events from the engine
-        directly (see ``replicas.messages``), and this call ends when that stream does.
+        """Stream the engine actor's events for ``request`` (see ``replicas.messages``); the persistent
+        pool first yields :class:`Started` so the router knows a replica took the request.
 
-        Opens span ``replica.generate`` (child of the caller's span named by ``request.trace_context``),
-        the parent of the engine's ``generation`` span. While the engine restarts, a persistent replica
-        answers ``Started`` then a :class:`Rejection` (``decoder_unhealthy``). If the caller leaves (its
-        call is cancelled) or its process dies, the engine's work for the request is stopped.
+        Opens span ``replica.generate`` (child of the caller's span named by ``request.trace_context``)
+        and hands the actor ``request`` with this span's trace context. If the engine process dies, the
+        request ends with a :class:`GenerationError` (reason ``engine_died``); while the engine
+        restarts, a persistent replica answers :class:`Rejection` (``decoder_unhealthy``).
         """
         async for item in self._stream(request, self.lane if self.lane != "colocated" else "standard"):
             yield item
 
     async def _stream(self, request: GenerateRequest, lane: str):
-        if self._engine_down and lane == "persistent":  # the standard lane's calls wait for the engine (Ray queues them)
+        if lane == "persistent":
             yield Started(request.request_id)
-            yield Rejection(request.request_id, "decoder_unhealthy", detail="the engine is restarting")
-            return
+            if self._engine_down:
+                yield Rejection(request.request_id, "decoder_unhealthy", detail="the engine is restarting")
+                return
         span = get_tracer().start_span(SPAN_REPLICA, context=extract_context(request.trace_context),
                                        attributes={ATTR_LANE: lane, ATTR_REQUEST_ID: request.request_id})
         caller, request = request.caller, dataclasses.replace(request, trace_context=inject_context(span), caller=None)
-        ended = self.actor.wait_ended.remote(request.request_id)  # asked first: it is there before the stream
+        args = (request, lane) if self.lane == "colocated" else (request,)
+        stream = self.actor.generate.options(num_returns="streaming").remote(*args)
         if caller is not None:
-            self._watch_caller(caller, request.request_id)
+            self._watch_caller(caller, request.request_id, stream)
+        finished = False
         try:
-            # the caller streams the events from the engine itself; this call stays open until they end, so
-            # Serve counts the request as this replica's (max_ongoing_requests, autoscaling) meanwhile
-            yield Started(request.request_id, engine=self.actor, request=request,
-                          lane=lane if self.lane == "colocated" else None)
-            await ended
-        except ray.exceptions.RayActorError:  # the engine process died under this request
+            async for ref in stream:
+                yield await ref
+            finished = True
+        except ray.exceptions.TaskCancelledError:
+            if request.request_id not in self._orphaned:
+                raise
+            finished = True  # its ingress died: the engine stopped it and freed its pages
+            span.set_attribute("error.type", "caller_died")
+        except ray.exceptions.RayActorError as exc:  # the engine process died under this request
+            finished = True
             self._engine_died()
             span.set_attribute("error.type", ENGINE_DIED)
-        except (asyncio.CancelledError, GeneratorExit):  # the caller left: stop the engine's work too
-            self.actor.stop.remote(request.request_id)
-            raise
+            yield GenerationError(request.request_id, f"the {lane} engine serving this request died ({type(exc).__name__}); "
+                                  "the request was lost, retry it", lane, "postlaunch", ENGINE_DIED)
         finally:
             span.end()
+            self._orphaned.discard(request.request_id)
             if caller is not None and caller[0] in self._callers:
                 self._callers[caller[0]]["streams"].pop(request.request_id, None)
+            if not finished:  # the caller went away (client disconnect): stop the actor's work too
+                ray.cancel(stream)
 
     async def ping(self) -> dict:
         """A cheap round trip (the router's readiness probe): the lane this replica serves."""

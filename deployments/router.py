@@ -32,12 +32,8 @@ Co-located mode: one deployment hosts both lanes; the router sends persistent tr
 ``generate_persistent`` entry and standard traffic to its ``generate`` entry (same handle). A busy
 co-located persistent lane answers at once with a ``queued_work`` rejection, which is a spill.
 
-Tokens: a replica answers ``Started`` naming its engine actor, and the router reads the request's
-events from that actor itself (:func:`_via_engine`), so they pass through no replica.
-
-Failures: a replica that dies under a request (the handle raises, or the engine's stream breaks and the
-replica's call fails too) ends that request's stream with a ``GenerationError`` (``replica_died``; an
-engine that died alone: ``engine_died``) rather than an exception, so the
+Failures: a replica that dies under a request (the handle raises) ends that request's
+stream with a ``GenerationError`` (``replica_died``) rather than an exception, so the
 client gets an error event. A standard-lane request whose replica or engine died before
 any of its output was passed on is sent again (``STANDARD_RETRIES``), since the client
 cannot tell; on the persistent lane a failure after ``Started`` stays terminal.
@@ -255,8 +251,9 @@ class Router:
         return choose_lane(self.mode, reason, self._status())
 
     async def _take_persistent(self, request: GenerateRequest, wait_s: float):
-        """Send ``request`` to the persistent pool; ``(the replica's stream, its Started)`` once a replica took
-        it, else None (still queued after ``wait_s``, or refused by Serve's ``max_queued_requests``)."""
+        """Send ``request`` to the persistent pool; the stream once a replica took it (first item
+        :class:`Started`), else None (still queued after ``wait_s``, or refused by Serve's
+        ``max_queued_requests``)."""
         entry = getattr(self.persistent.options(stream=True), self.persistent_entry)
         stream = entry.remote(request)
         first = asyncio.ensure_future(stream.__anext__())
@@ -267,7 +264,7 @@ class Router:
             first.cancel()
             raise
         if done and first.exception() is None and isinstance(first.result(), Started):
-            return stream, first.result()
+            return stream
         stream.cancel()  # still queued (or refused by Serve's max_queued_requests): drop it
         if not done:
             first.cancel()
@@ -343,8 +340,8 @@ class Router:
         for attempt in range(STANDARD_RETRIES + 1):
             delivered, timed = False, False
             dispatched = time.monotonic()
-            stream = _ended_by_error(_via_engine(self.standard.options(stream=True).generate.remote(request), Lane.STANDARD.value),
-                                     request.request_id, Lane.STANDARD.value)
+            stream = _ended_by_error(self.standard.options(stream=True).generate.remote(request), request.request_id,
+                                     Lane.STANDARD.value)
             try:
                 async for item in stream:
                     lost = isinstance(item, GenerationError) and item.reason in (REPLICA_DIED, "engine_died")
@@ -373,24 +370,22 @@ class Router:
         """Try the persistent lane: yields its items, then one :class:`_Outcome` (served there, or
         go standard: spilled for capacity or fell back after a rejection)."""
         wait_s = self._wait_budget()
-        taken, started = None, time.monotonic()
+        stream, started = None, time.monotonic()
         if wait_s is not None:
             self.dispatching += 1
             try:
-                taken = await self._take_persistent(hop(request), wait_s)
+                stream = await self._take_persistent(hop(request), wait_s)
             finally:
                 self.dispatching -= 1
-        if taken is None:
+        if stream is None:
             self._spill(span, request.request_id, time.monotonic() - started if wait_s is not None else 0.0)
             yield _Outcome(done=False, spilled=True, fell_back=True)
             return
         rejected = None
         self.in_flight += 1
         self.estimator.started(request.request_id, request.params.max_tokens, started)
-        events = _ended_by_error(_via_engine(taken[0], Lane.PERSISTENT.value, taken[1]), request.request_id,
-                                 Lane.PERSISTENT.value)
         try:
-            async for item in events:
+            async for item in _ended_by_error(stream, request.request_id, Lane.PERSISTENT.value):
                 if isinstance(item, Rejection):
                     rejected = item
                     break
@@ -406,7 +401,6 @@ class Router:
                 clock.chunk(item)
                 yield item
         finally:
-            await events.aclose()
             self.in_flight -= 1
             self.estimator.finished(request.request_id)
         if rejected is None:
@@ -451,60 +445,6 @@ def _this_actor():
     ctx = ray.get_runtime_context()
     actor_id = ctx.get_actor_id()
     return (actor_id, ctx.current_actor) if actor_id else None
-
-
-LEASE_END_WAIT_S = 2.0
-"""After the engine's stream broke, how long to wait for the replica's own call to end, to tell which died:
-the replica (its call fails too: ``replica_died``) or only its engine (``engine_died``)."""
-
-
-async def _via_engine(lease, lane: str, started: Started | None = None):
-    """The request's events, read from the engine actor that the replica named in its :class:`Started`
-    (``lease`` is the replica's open call, ``started`` its first item if already read).
-
-    The tokens go engine actor → this process, not through the replica; the replica's call ends by itself
-    when the engine's stream does. If this generator is closed early (the client left), the replica's call
-    is cancelled (the replica then stops the engine's work) and so is the engine's stream. A replica that
-    answers by itself (a :class:`Rejection` after ``Started``) has its items passed through. If the engine's
-    stream breaks (its process died), the last item is a :class:`GenerationError`: ``replica_died`` when the
-    replica's call failed as well (the replica died and took its engine along), else ``engine_died``.
-    """
-    import ray
-
-    if started is None:
-        started = await lease.__anext__()
-    if not isinstance(started, Started) or started.engine is None:
-        if not isinstance(started, Started):
-            yield started
-        async for item in lease:
-            yield item
-        return
-    tail = asyncio.ensure_future(_drain(lease))
-    tail.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: never "never retrieved"
-    args = (started.request,) + ((started.lane,) if started.lane else ())
-    stream = started.engine.generate.options(num_returns="streaming").remote(*args)
-    finished = False
-    try:
-        async for ref in stream:
-            yield await ref
-        finished = True
-    except RayActorError as exc:
-        finished = True
-        await asyncio.wait({tail}, timeout=LEASE_END_WAIT_S)
-        replica_failed = tail.done() and not tail.cancelled() and tail.exception() is not None
-        reason, who = (REPLICA_DIED, "replica") if replica_failed else ("engine_died", "engine")
-        yield GenerationError(started.request_id, f"the {lane} {who} serving this request died "
-                              f"({type(exc).__name__}); the request was lost, retry it", lane, "postlaunch", reason)
-    finally:
-        if not finished:  # closed early (the client left): stop the replica's call and the engine's work
-            lease.cancel()
-            ray.cancel(stream)
-
-
-async def _drain(lease) -> None:
-    """Read the replica's call to its end (it yields nothing after ``Started``)."""
-    async for _ in lease:
-        pass
 
 
 async def _ended_by_error(stream, request_id: str, lane: str):

@@ -20,7 +20,6 @@ the persistent lane is in flight on the device while a standard step runs.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
 import queue
@@ -177,10 +176,6 @@ class EngineActor:
         }
         self.accelerator = device_facts(self.core.runner.device)
         self._requests: dict = {}  # request id -> RequestTelemetry, for the engine thread's queue-time hook
-        self._streams: dict[str, tuple] = {}  # request id -> (its queue, its cancel event, lane) while it streams
-        self._ended: dict[str, asyncio.Event] = {}  # request id -> set once its stream is over (wait_ended)
-        self._waiting: set[str] = set()  # request ids a replica waits on (wait_ended)
-        self._ended_recently: collections.deque = collections.deque(maxlen=4096)  # ended, nobody waited yet
         self._snapshot: dict = self._colocated_stats() if self.colocated else {}
         if self.engine is not None:
             threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True).start()
@@ -356,8 +351,6 @@ class EngineActor:
             self._wakeup.set()
         spilled = request.spilled and target == "standard"
         self._spilled_running += spilled
-        self._streams[request.request_id] = (out, cancel, target)
-        ended = self._ended.setdefault(request.request_id, asyncio.Event())
         open_choices = request.params.n if target == "standard" else 1
         try:
             while not done:
@@ -369,11 +362,6 @@ class EngineActor:
                 yield item
         finally:
             self._spilled_running -= spilled
-            self._streams.pop(request.request_id, None)
-            ended.set()
-            if request.request_id not in self._waiting:  # its replica has not asked yet (or never will)
-                self._ended.pop(request.request_id, None)
-                self._ended_recently.append(request.request_id)
             if not done:  # the caller went away: stop the work and free its pages
                 cancel.set()
                 if target == "standard":
@@ -382,44 +370,6 @@ class EngineActor:
             self._requests.pop(request.request_id, None)
             request_telemetry.end()
             self._publish_gauges()
-
-    async def wait_ended(self, request_id: str, start_timeout_s: float = 30.0) -> bool:
-        """Return once ``generate`` of ``request_id`` is over: True, or False when no such stream started within
-        ``start_timeout_s`` seconds (its caller never asked). The replica that handed the request out holds
-        its Serve call open on this, so Serve counts the request as that replica's until it ends."""
-        if request_id in self._ended_recently:
-            return True
-        ended = self._ended.setdefault(request_id, asyncio.Event())
-        self._waiting.add(request_id)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + start_timeout_s
-        try:
-            while not ended.is_set():
-                if request_id not in self._streams and loop.time() >= deadline:
-                    return False
-                try:
-                    await asyncio.wait_for(asyncio.shield(ended.wait()), 0.25)
-                except asyncio.TimeoutError:
-                    pass
-            return True
-        finally:
-            self._waiting.discard(request_id)
-            if request_id not in self._streams:
-                self._ended.pop(request_id, None)
-
-    async def stop(self, request_id: str) -> None:
-        """End ``request_id``'s stream as if its caller had gone: its work stops and its pages are freed
-        (the replica calls this when the ingress reading the stream died or the caller left)."""
-        entry = self._streams.get(request_id)
-        if entry is None:
-            return
-        out, cancel, target = entry
-        cancel.set()
-        if target == "standard":
-            self._inbox.put(("abort", request_id, None, None))
-            self._wakeup.set()
-        out.put_nowait(GenerationError(request_id, "the request's caller went away", target, "postlaunch",
-                                       "caller_died"))
 
     def _persistent_worker(self, request, cancel, loop, out, request_telemetry=None) -> None:
         try:

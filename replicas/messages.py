@@ -146,22 +146,11 @@ class GenerationError:
 
 @dataclass
 class Started:
-    """First item of a replica's stream: a replica took the request (it left Serve's queue).
+    """First item of a persistent replica's stream: a replica took the request (it left Serve's queue).
 
     The router waits for it at most ``spillover_wait_s`` before spilling the
     request to the standard lane (reason ``persistent_capacity``). Never
     forwarded to the client.
-
-    Attributes:
-        engine: the replica's engine actor (a Ray actor handle): the caller reads the request's events from
-            it directly, ``engine.generate.options(num_returns="streaming").remote(request, *lane)``, so the
-            tokens do not pass through the replica; None when the replica answers the request itself
-            (a :class:`Rejection` follows).
-        request: the request as the engine must get it (the replica span's trace context).
-        lane: co-located engines: the lane to ask for (``generate``'s ``lane``); None otherwise.
     """
 
     request_id: str
-    engine: Any = None
-    request: GenerateRequest | None = None
-    lane: str | None = None
