@@ -18,8 +18,8 @@ order; each in its own ``try``, so one failing part does not lose the others; a 
   tokens, else each routed expert dequantized); compute and bytes floors.
 * ``gpt-oss-120b`` / ``gpt-oss-20b`` — random weights of the released shapes (``ops/bench/engine.py``):
   TTFT at prompts of 128, 1,024 and 8,192 tokens, batch one, on the persistent lane and the standard lane,
-  with the floor (compute at ``--tflops``, bytes at ``--bandwidth-tbps``); the previous path (torch
-  attention per sequence, experts dequantized one by one) at 1,024 for comparison; a repeated 2,000-token
+  with the floor (compute at ``--tflops``, bytes at ``--bandwidth-tbps``); the standard lane at 1,024 and
+  8,192 with the other grouped GEMM variant (``--moe-variant``) for comparison; a repeated 2,000-token
   prompt on the persistent lane with prefix caching (only the uncached rest is prefilled). For 120b also the
   standard lane at concurrency 1, 8, 16, 64, 256 (random 1,024-token prompts, 128 new tokens, greedy):
   output tok/s, ITL median/p99, the median decode step at full concurrency and its fraction of the
@@ -332,9 +332,46 @@ def check_moe(tol: float = 2e-2, experts=None) -> list[list]:
         weights = torch.softmax(top, -1).to(S.dtype)
         want = moe_reference(x.float(), weights.float(), ids, ref_experts)
         for name, ex in layouts.items():
-            err = rel_err(experts_moe(x, weights, ids, ex), want)
-            rows.append([f"grouped MoE: {t} tokens, {name}", err, tol, err < tol])
+            for variant in MOE_VARIANTS:
+                try:
+                    with moe_variant(variant):
+                        err = rel_err(experts_moe(x, weights, ids, ex), want)
+                    rows.append([f"grouped MoE ({variant}): {t} tokens, {name}", err, tol, err < tol])
+                except Exception as exc:  # noqa: BLE001 - a variant that does not compile
+                    rows.append([f"grouped MoE ({variant}): {t} tokens, {name}", float("nan"), tol,
+                                 f"failed: {type(exc).__name__}: {str(exc)[:100]}"])
+    _fall_back_if_failed(rows)
     return rows
+
+
+def _fall_back_if_failed(rows: list[list]) -> None:
+    """The model parts run the joined kernels when the chosen variant failed a check (``--moe-variant``)."""
+    from replicas.kernels.moe import grouped_gemm as mg
+
+    if mg.VARIANT != "joined" and any(f"({mg.VARIANT})" in r[0] and r[3] is not True for r in rows):
+        print(f"grouped GEMMs: {mg.VARIANT} failed a check; the model parts run joined", flush=True)
+        mg.VARIANT = "joined"
+
+
+MOE_VARIANTS = ("joined", "per_code")
+"""The grouped GEMM kernels compared (:data:`replicas.kernels.moe.grouped_gemm.VARIANT`)."""
+
+
+class moe_variant:
+    """``with moe_variant(name):`` runs the grouped GEMMs as ``name``, then restores the variant."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        from replicas.kernels.moe import grouped_gemm as mg
+
+        self.before, mg.VARIANT = mg.VARIANT, self.name
+
+    def __exit__(self, *exc):
+        from replicas.kernels.moe import grouped_gemm as mg
+
+        mg.VARIANT = self.before
 
 
 def check_step_inputs() -> list[list]:
@@ -484,6 +521,7 @@ def _matmul_ogs(tk_dir: str | None):
 
 def _moe_kernels(rep: Report, args) -> None:
     from replicas.kernels.moe import MoE, resolve_moe
+    from replicas.kernels.moe import grouped_gemm as mg
     from replicas.kernels.moe.grouped_gemm import expert_bytes, experts_moe
 
     # the previous path: decode kernels up to 16 tokens, else each routed expert dequantized
@@ -511,6 +549,13 @@ def _moe_kernels(rep: Report, args) -> None:
         floor_flops = 2 * t * k * 3 * hidden * inter / (args.tflops * 1e12) * 1e3
         floor = max(floor_bytes, floor_flops)
         ours = cuda_ms(lambda x=x, w=weights, i=ids, ex=packed: experts_moe(x, w, i, ex))
+        other = "per_code" if mg.VARIANT == "joined" else "joined"
+        try:
+            with moe_variant(other):
+                ours_other = cuda_ms(lambda x=x, w=weights, i=ids, ex=packed: experts_moe(x, w, i, ex))
+        except Exception as exc:  # noqa: BLE001 - a variant that does not compile
+            ours_other = float("nan")
+            notes.append(f"{other} failed at {t} tokens ({type(exc).__name__}: {str(exc)[:120]})")
         ours_ck = cuda_ms(lambda x=x, w=weights, i=ids, ex=experts: experts_moe(x, w, i, ex))
         before = float("nan")
         if t <= 1024:  # the previous path: decode kernels up to 16 tokens, else per-expert dequantization
@@ -523,13 +568,14 @@ def _moe_kernels(rep: Report, args) -> None:
                 peer_err = rel_err(run_peer(x, logits, peer_w), experts_moe(x, weights, ids, packed))
             except Exception as exc:  # noqa: BLE001
                 peer = f"failed at {t} tokens ({type(exc).__name__}: {str(exc)[:200]})"
-        rows.append([t, distinct, floor_bytes, floor_flops, ours, floor / ours, ours_ck, peer_ms, peer_err, before])
+        rows.append([t, distinct, floor_bytes, floor_flops, ours, floor / ours, ours_other, ours_ck, peer_ms, peer_err,
+                     before])
     if isinstance(peer, str):
         notes.append(f"matmul_ogs: {peer}")
     rep.table(f"MoE layer (gate_up + SwiGLU + down, {e} experts, top {k}, widths {hidden}/{inter}), "
               f"{str(S.dtype).removeprefix('torch.')}, ms",
-              ["tokens", "experts read", "bytes floor", "compute floor", "ours (decode layout)", "of floor",
-               "ours (checkpoint layout)", "matmul_ogs", "matmul_ogs vs ours (rel diff)", "previous path"], rows,
+              ["tokens", "experts read", "bytes floor", "compute floor", f"ours {mg.VARIANT} (decode layout)",
+               "of floor", f"ours {other} (decode layout)", f"ours {mg.VARIANT} (checkpoint layout)", "matmul_ogs", "matmul_ogs vs ours (rel diff)", "previous path"], rows,
               f"Floors: distinct experts' packed bytes at {args.bandwidth_tbps} TB/s; 2 T K (3 H I) FLOP at "
               f"{args.tflops} TFLOP/s. matmul_ogs includes its routing (top-k from the logits) and its "
               "scatter-sum; ours takes the top-k ids and sums the K partials in fp32. " + " ".join(notes))
@@ -680,25 +726,6 @@ def profile_prefill(core, prompt: list[int], top: int = 14) -> tuple[float, floa
     return wall, busy, rows
 
 
-def use_prefill_kernels(core, on: bool, ops=None):
-    """Give ``core``'s model the ops with (``on``) or without the prefill kernels (the previous path: torch
-    attention per sequence, each routed expert dequantized), on the same weights; returns the ops it had.
-    ``ops``: the ops to restore instead of building new ones."""
-    import dataclasses
-
-    from replicas.kernels.moe import MoE, resolve_moe
-
-    before = core.model.ops
-    if ops is None:
-        choice = before.moe.choice
-        moe = MoE(resolve_moe(choice.backend, core.runner.device, core.config.resolved_dtype(), choice.repack,
-                              choice.tiles, prefill_kernels=on), pdl=before.pdl)
-        ops = dataclasses.replace(before, prefill_kernels=on and before.triton, moe=moe)
-    core.model.use_ops(ops)
-    core.runner.kernels = ops.prefill_kernels
-    return before
-
-
 def part_model(rep: Report, args, shape: str) -> None:
     from ops.bench.engine import build_core
 
@@ -740,28 +767,21 @@ def part_model(rep: Report, args, shape: str) -> None:
                 rep.error(f"{shape}/TTFT {n} tokens", exc)
                 rows.append([n, float("nan"), float("nan"), comp, byt, f"failed: {type(exc).__name__}"])
         before = ""
-        if rep.left() > 60:
-            kernels = use_prefill_kernels(core, False)  # the same weights, the previous path's ops
+        from replicas.kernels.moe import grouped_gemm as mg
+
+        other = "per_code" if mg.VARIANT == "joined" else "joined"
+        for n in S.prompts[1:]:
+            if rep.left() < 60:
+                break
             try:
-                old = ttft_persistent(core, random_prompt(vocab, S.prompts[1], 300))
+                with moe_variant(other):
+                    ttft_standard(core, random_prompt(vocab, n, 600 + n))  # compiles the other kernels
+                    alt = statistics.median(ttft_standard(core, random_prompt(vocab, n, 610 + n + r))
+                                            for r in range(2))
+                before += f" The standard lane with the {other} grouped GEMMs, {n:,} tokens: {alt:,.1f} ms."
             except Exception as exc:  # noqa: BLE001
-                rep.error(f"{shape}/previous path", exc)
-                old = float("nan")
-            finally:
-                use_prefill_kernels(core, True, kernels)
-            before = (f"Previous path (torch attention per sequence, experts dequantized one by one), "
-                      f"{S.prompts[1]:,} tokens: {old:,.0f} ms.")
-            if core.model.layered_kernel_forward:
-                core.model.layered_kernel_forward = False  # the layer modules with the prefill kernels only
-                try:
-                    first = ttft_persistent(core, random_prompt(vocab, S.prompts[1], 301))
-                except Exception as exc:  # noqa: BLE001
-                    rep.error(f"{shape}/layer-module kernel path", exc)
-                    first = float("nan")
-                finally:
-                    core.model.layered_kernel_forward = True
-                before += (f" The layer modules with the prefill attention and grouped MoE kernels only (the first "
-                           f"H200 run's path, without forward_kernels), {S.prompts[1]:,} tokens: {first:,.0f} ms.")
+                rep.error(f"{shape}/{other} grouped GEMMs {n} tokens", exc)
+        before = f"Grouped GEMMs: {mg.VARIANT}." + before
         rep.table(f"TTFT, batch one, {shape} (random weights), ms",
                   ["prompt", "persistent lane", "standard lane", "compute floor", "bytes floor", "of floor"], rows,
                   f"Median of {args.reps} fresh random prompts (no prefix-cache hits); floor = max(compute at "
@@ -890,6 +910,14 @@ MOE_TILES = {  # tokens -> alternatives for the block height pick_block_m gives 
 }
 """``(block_n, block_k, num_warps, num_stages)`` tried per token count."""
 
+PER_CODE_TILES = {  # tokens -> (block_n, block_k, num_warps, num_stages) of the per_code kernels
+    64: [(128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 3), (128, 256, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3)],
+    128: [(128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 3), (128, 256, 4, 3)],
+    1024: [(128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 3), (128, 256, 4, 3), (128, 128, 4, 4),
+           (128, 128, 8, 3), (256, 128, 8, 4)],
+    8192: [(128, 128, 8, 3), (128, 128, 4, 3), (256, 128, 8, 3), (128, 256, 8, 3)],
+}
+
 ATTN_TILES = [(128, 64, 4, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]
 """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the prefill attention tried at 8,192 tokens."""
 
@@ -905,7 +933,9 @@ def part_tiles(rep: Report, args) -> None:
     experts = repacked_copy(random_experts(e, hidden, inter, S.dtype, seed=5))
     rows = []
     for t, tiles in MOE_TILES.items():
+        per_code = PER_CODE_TILES[t]
         if S.smoke:
+            per_code = per_code[:2]
             t, tiles = 9, tiles[:2]
         if rep.left() < 30:
             break
@@ -926,6 +956,22 @@ def part_tiles(rep: Report, args) -> None:
                              f"{type(exc).__name__}: {str(exc)[:80]}"])
             finally:
                 mg.TILE_OVERRIDES.clear()
+        for bn, bk, warps, stages in per_code:
+            mg.PER_CODE_OVERRIDES[bm] = mg.TileConfig(bm, bn, bk, warps, stages)
+            name = f"per_code M{bm} N{bn} K{bk} w{warps} s{stages}"
+            try:
+                with moe_variant("per_code"):
+                    ms = cuda_ms(lambda x=x, w=w, i=ids: mg.experts_moe(x, w, i, experts))
+                    err = rel_err(mg.experts_moe(x, w, ids, experts), want)
+                rows.append([f"MoE {t} tokens", name, ms, err])
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile
+                rows.append([f"MoE {t} tokens", name, float("nan"), f"{type(exc).__name__}: {str(exc)[:80]}"])
+            finally:
+                mg.PER_CODE_OVERRIDES.clear()
+    if "attention" in args.skip:
+        rep.table("Tile alternatives (first row of each group: the default), gpt-oss-120b layer shapes",
+                  ["kernel", "tile", "ms", "rel diff to default"], rows)
+        return
     n = 40 if S.smoke else 8192
     q, kp, vp, meta = attention_batch([n], [n], seed=9)
     sinks = torch.randn(S.heads[0], device=S.device).to(S.dtype)
@@ -1055,13 +1101,15 @@ def main(argv: list[str] | None = None) -> Report | None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench_prefill_out"), help="results folder (default $OUT)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
-    p.add_argument("--skip", default="", help="sub-parts to leave out: sweep")
+    p.add_argument("--skip", default="", help="sub-parts to leave out: sweep, attention (of tiles)")
     p.add_argument("--triton-kernels", help="folder holding OpenAI's triton_kernels package (vLLM's copy)")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new work after this many seconds")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--bandwidth-tbps", type=float, default=4.8, help="HBM bandwidth for the floors (H200: 4.8)")
     p.add_argument("--tflops", type=float, default=790.0, help="dense bf16 TFLOP/s for the floors (H200, measured)")
+    p.add_argument("--moe-variant", choices=MOE_VARIANTS, default=None,
+                   help="the grouped GEMM kernels of the model parts (default: the module's)")
     p.add_argument("--merge-docs", help="only merge this benchmarks_section.md into docs/benchmarks.md")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, Triton's interpreter, tiny shapes: checks that the script runs (numbers meaningless)")
@@ -1076,6 +1124,10 @@ def main(argv: list[str] | None = None) -> Report | None:
     elif not torch.cuda.is_available():
         raise SystemExit("ops.bench.prefill needs a CUDA GPU (or --smoke)")
     rep = Report(Path(args.out), argv, args.budget_s)
+    if args.moe_variant:
+        from replicas.kernels.moe import grouped_gemm as mg
+
+        mg.VARIANT = args.moe_variant
     runners = {"checks": part_checks, "kernels": part_kernels, "lanes": part_lanes, "tiles": part_tiles,
                "gpt-oss-120b": lambda r, a: part_model(r, a, "gpt-oss-120b"),
                "gpt-oss-20b": lambda r, a: part_model(r, a, "gpt-oss-20b")}

@@ -97,6 +97,22 @@ TILES = {
 (decode batches, a few pairs per expert) are bound by reading and decoding the weights: wide K steps; large
 ones (long prompts) by the tensor cores. ``python -m ops.bench.prefill --parts tiles`` times alternatives."""
 
+PER_CODE_TILES = {
+    16: TileConfig(16, 128, 128, 4, 3),
+    32: TileConfig(32, 128, 128, 4, 3),
+    64: TileConfig(64, 128, 128, 4, 3),
+    128: TileConfig(128, 128, 128, 8, 3),
+}
+"""Tiles of the ``per_code`` kernels per ``BLOCK_M`` (tokens per program; ``block_n`` = weight rows per
+program, the left operand; ``block_k`` a multiple of 128: eight dots of at least 16 inputs each)."""
+
+PER_CODE_OVERRIDES: dict[int, TileConfig] = {}
+"""Benchmark-only replacements of :data:`PER_CODE_TILES` entries."""
+
+VARIANT = "joined"
+"""Which grouped GEMM kernels run: ``joined`` (weights decoded, joined into element order, the right operand
+of ``tl.dot``) or ``per_code`` (weights on the left, eight dots per K step, activations permuted)."""
+
 TILE_OVERRIDES: dict[int, TileConfig] = {}
 """Benchmark-only replacements of :data:`TILES` entries (``ops/bench/prefill.py`` sweeps a few)."""
 
@@ -381,6 +397,141 @@ def _down_kernel(h_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start
     tl.store(y_ptr + pair[:, None] * N + n[None, :], acc * rw[:, None], mask=r_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _codes(w, REPACKED: tl.constexpr):
+    """uint32 words ``[R, W]`` → the 8 codes of each word as 8 fp32 ``[R, W]`` tensors (code ``c`` =
+    element ``8 w + c``), each the E2M1 value x 2**-126 (as :func:`_decode_words`, without joining them)."""
+    if REPACKED:
+        v = w & _PAIR3_MASK
+        c0, c4 = _pair_f32(w & _PAIR_MASK)
+        c1, c5 = _pair_f32((w << _SHIFT1) & _PAIR_MASK)
+        c2, c6 = _pair_f32((w << _SHIFT2) & _PAIR_MASK)
+        c3, c7 = _pair_f32(((v >> _MAG3_A) | (v >> _MAG3_B) | (v << _SIGN3)) & _PAIR_MASK)
+    else:
+        c0 = _code_f32(w, 0)
+        c1 = _code_f32(w, 1)
+        c2 = _code_f32(w, 2)
+        c3 = _code_f32(w, 3)
+        c4 = _code_f32(w, 4)
+        c5 = _code_f32(w, 5)
+        c6 = _code_f32(w, 6)
+        c7 = _code_f32(w, 7)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _per_code_mainloop(acc, a_ptr, a_row, a_ok, w_ptr, s_ptr, e, n, n_ok, N, KDIM: tl.constexpr,
+                       BLOCK_K: tl.constexpr, REPACKED: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_M] += W[e][n, :] @ A[rows, :]^T`` with the weights as the left operand, decoded
+    in registers and never joined: each K step of ``BLOCK_K`` inputs is eight dots of ``BLOCK_K / 8``, one
+    per code position ``c`` of the words, against the activations of inputs ``k0 + 8 w + c``, which the
+    :func:`permute_activations` layout stores contiguously at ``k0 + c * BLOCK_K / 8 + w``.
+
+    ``a_row`` ``[BLOCK_M]`` int64 element offsets of the activation rows (permuted layout, width a multiple
+    of ``BLOCK_K``, zero past ``KDIM``), ``a_ok`` their mask."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    GROUPS: tl.constexpr = KDIM // 32
+    word = tl.arange(0, WORDS)
+    row = e.to(tl.int64) * N + n  # [BLOCK_N]
+    dt = a_ptr.dtype.element_ty
+    for k0 in range(0, KDIM, BLOCK_K):
+        kw = k0 // 8 + word  # [WORDS] word index along the row
+        ok = n_ok[:, None] & ((kw * 8) < KDIM)[None, :]
+        wd = tl.load(w_ptr + row[:, None] * (KDIM // 8) + kw[None, :], mask=ok, other=0)
+        s = tl.load(s_ptr + row[:, None] * GROUPS + (kw // 4)[None, :], mask=ok, other=127)
+        f = ((s.to(tl.int32) + (127 - 65)) << 23).to(tl.float32, bitcast=True)  # 2**(s - 65)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _codes(wd.to(tl.uint32, bitcast=True), REPACKED)
+        ap = a_ptr + a_row[None, :] + (k0 + word)[:, None]  # [WORDS, BLOCK_M], code 0's inputs
+        m = a_ok[None, :]
+        acc = tl.dot((c0 * f).to(dt), tl.load(ap, mask=m, other=0.0), acc, input_precision=PRECISION)
+        acc = tl.dot((c1 * f).to(dt), tl.load(ap + WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
+        acc = tl.dot((c2 * f).to(dt), tl.load(ap + 2 * WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
+        acc = tl.dot((c3 * f).to(dt), tl.load(ap + 3 * WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
+        acc = tl.dot((c4 * f).to(dt), tl.load(ap + 4 * WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
+        acc = tl.dot((c5 * f).to(dt), tl.load(ap + 5 * WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
+        acc = tl.dot((c6 * f).to(dt), tl.load(ap + 6 * WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
+        acc = tl.dot((c7 * f).to(dt), tl.load(ap + 7 * WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _permuted_column(c, BLOCK_K: tl.constexpr):
+    """Input column ``c`` → its place in the :func:`permute_activations` layout."""
+    return (c // BLOCK_K) * BLOCK_K + (c % 8) * (BLOCK_K // 8) + (c % BLOCK_K) // 8
+
+
+@triton.jit
+def _gate_up_per_code_kernel(x_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr,
+                             b_ptr, h_ptr, alpha, limit, stride_x, stride_h, N, E, TOP_K: tl.constexpr,
+                             KDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, REPACKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid ``(max_blocks, cdiv(2I, BLOCK_N))``: as :func:`_gate_up_kernel`, weights on the left
+    (:func:`_per_code_mainloop`); ``x`` and ``h`` in the permuted layout."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= E:
+        return
+    row0 = tl.load(block_row_ptr + pid_m)
+    row_end = tl.load(expert_start_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    r_ok = rows < row_end
+    pair = tl.load(order_ptr + rows, mask=r_ok, other=0)
+    tok = (pair // TOP_K).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc = _per_code_mainloop(acc, x_ptr, tok * stride_x, r_ok, w_ptr, s_ptr, e, n, n_ok, N, KDIM, BLOCK_K,
+                             REPACKED, PRECISION)
+    acc = acc * ACC_SCALE + tl.load(b_ptr + e.to(tl.int64) * N + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    gate, up = tl.split(tl.reshape(tl.trans(acc), [BLOCK_M, BLOCK_N // 2, 2]))
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    pos = _permuted_column(cols, BLOCK_K)
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_h + pos[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (cols < N // 2)[None, :])
+
+
+@triton.jit
+def _down_per_code_kernel(h_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr, b_ptr,
+                          rw_ptr, y_ptr, stride_h, N, E, KDIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REPACKED: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    """Grid ``(max_blocks, cdiv(hidden, BLOCK_N))``: as :func:`_down_kernel`, weights on the left; ``h`` in the
+    permuted layout."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= E:
+        return
+    row0 = tl.load(block_row_ptr + pid_m)
+    row_end = tl.load(expert_start_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    r_ok = rows < row_end
+    pair = tl.load(order_ptr + rows, mask=r_ok, other=0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc = _per_code_mainloop(acc, h_ptr, rows.to(tl.int64) * stride_h, r_ok, w_ptr, s_ptr, e, n, n_ok, N, KDIM,
+                             BLOCK_K, REPACKED, PRECISION)
+    acc = acc * ACC_SCALE + tl.load(b_ptr + e.to(tl.int64) * N + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    rw = tl.load(rw_ptr + pair, mask=r_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + pair[None, :] * N + n[:, None], acc * rw[None, :], mask=n_ok[:, None] & r_ok[None, :])
+
+
+def permute_activations(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """``x`` ``[T, K]`` → ``[T, cdiv(K, block_k) * block_k]`` (zeros past ``K``) with each ``block_k`` chunk
+    reordered so that input ``k0 + 8 w + c`` sits at ``k0 + c * block_k / 8 + w``: the activations of one code
+    position of ``block_k / 8`` packed words are then contiguous (:func:`_per_code_mainloop`)."""
+    t, k = x.shape
+    kp = -(-k // block_k) * block_k
+    if kp != k:
+        x = torch.nn.functional.pad(x, (0, kp - k))
+    return x.reshape(t, kp // block_k, block_k // 8, 8).transpose(2, 3).reshape(t, kp)
+
+
 _ONE_STAGE: set[tuple[str, int]] = set()
 """(kernel, BLOCK_M) whose tile did not fit the GPU's shared memory with :class:`TileConfig`'s stages: launched
 with one stage from then on."""
@@ -446,8 +597,27 @@ def grouped_moe_partials(
         return y
     block_m = grouping.block_m if grouping is not None else pick_block_m(p, num_experts)
     g = grouping or triton_group_by_expert(ids, num_experts, block_m)
-    cfg = tile_config(block_m)
     precision = "ieee" if x.dtype == torch.float32 else None
+    if VARIANT == "per_code":
+        cfg = PER_CODE_OVERRIDES.get(block_m, PER_CODE_TILES[block_m])
+        bk = cfg.block_k
+        xp = permute_activations(x, bk)
+        ip = -(-inter // bk) * bk
+        h = torch.empty(p, ip, dtype=x.dtype, device=x.device)
+        if ip != inter:
+            h[:, (inter // bk) * bk:].zero_()  # the last chunk's padding (its places interleave with inputs)
+        _launch(_gate_up_per_code_kernel, (g.max_blocks, triton.cdiv(two_i, cfg.block_n)),
+                (xp, g.order, g.block_expert, g.block_row, g.expert_start, gu_words, gate_up_scales, gate_up_bias,
+                 h, float(alpha), float(limit), xp.stride(0), h.stride(0), two_i, num_experts), block_m, cfg,
+                TOP_K=top_k, KDIM=hidden, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, REPACKED=repacked,
+                PRECISION=precision)
+        _launch(_down_per_code_kernel, (g.max_blocks, triton.cdiv(hidden, cfg.block_n)),
+                (h, g.order, g.block_expert, g.block_row, g.expert_start, d_words, down_scales, down_bias,
+                 weights.reshape(-1).contiguous(), y, h.stride(0), hidden, num_experts), block_m, cfg,
+                KDIM=inter, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, REPACKED=repacked,
+                PRECISION=precision)
+        return y
+    cfg = tile_config(block_m)
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     _launch(_gate_up_kernel, (g.max_blocks, triton.cdiv(two_i, cfg.block_n)),
             (x, g.order, g.block_expert, g.block_row, g.expert_start, gu_words, gate_up_scales, gate_up_bias, h,

@@ -54,12 +54,19 @@ def close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-5) -> None:
     assert err < tol, err
 
 
-@pytest.fixture
-def small_tiles():
-    """16 x 32 output tiles with 64-wide K steps: several N tiles and a masked last K step on tiny shapes."""
+@pytest.fixture(params=["joined", "per_code"])
+def small_tiles(request):
+    """Both kernel variants. joined: 16 x 32 output tiles with 64-wide K steps (several N tiles, a masked
+    last K step on tiny shapes); per_code: 32 weight rows per program, 128-wide K steps (widths 96 and 64
+    leave a padded last chunk, whose padding interleaves with the inputs)."""
+    before = mg.VARIANT
+    mg.VARIANT = request.param
     mg.TILE_OVERRIDES.update({m: mg.TileConfig(m, 32, 64, 4, 1) for m in mg.TILES})
+    mg.PER_CODE_OVERRIDES.update({m: mg.TileConfig(m, 32, 128, 4, 1) for m in mg.PER_CODE_TILES})
     yield
     mg.TILE_OVERRIDES.clear()
+    mg.PER_CODE_OVERRIDES.clear()
+    mg.VARIANT = before
 
 
 def routing(tokens: int, k: int, e: int, seed: int, skew: bool = False):
@@ -108,8 +115,10 @@ def test_partials_are_per_pair_and_residual_adds(small_tiles):
                                parts.sum(1) + residual, rtol=1e-6, atol=1e-5)
 
 
-def test_default_tiles_one_token():
+@pytest.mark.parametrize("variant", ["joined", "per_code"])
+def test_default_tiles_one_token(variant, monkeypatch):
     """The serving tiles (16-row M-blocks, 128-wide K steps masked at 96) for a single decode token."""
+    monkeypatch.setattr(mg, "VARIANT", variant)
     hidden, inter, e = 96, 64, 8
     experts = RandomExperts(e, hidden, inter, seed=2)
     weights, ids = routing(1, 4, e, seed=2)
