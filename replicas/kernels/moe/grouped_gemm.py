@@ -98,10 +98,10 @@ TILES = {
 ones (long prompts) by the tensor cores. ``python -m ops.bench.prefill --parts tiles`` times alternatives."""
 
 PER_CODE_TILES = {
-    16: TileConfig(16, 128, 128, 4, 3),
-    32: TileConfig(32, 128, 128, 4, 3),
+    16: TileConfig(16, 128, 256, 4, 3),
+    32: TileConfig(32, 128, 256, 4, 3),
     64: TileConfig(64, 128, 128, 4, 3),
-    128: TileConfig(128, 128, 128, 8, 3),
+    128: TileConfig(128, 256, 128, 8, 3),
 }
 """Tiles of the ``per_code`` kernels per ``BLOCK_M`` (tokens per program; ``block_n`` = weight rows per
 program, the left operand; ``block_k`` a multiple of 128: eight dots of at least 16 inputs each)."""
