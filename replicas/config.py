@@ -88,7 +88,7 @@ class EngineConfig(BaseModel):
     )
     warmup: bool = Field(
         True, description="On a GPU, at load: capture every standard-lane decode-graph bucket and run throwaway "
-        "prefills and decode steps (prompts of 16 to 1,024 tokens, 1 and 8 sequences), so the first requests do "
+        "prefills and decode steps (prompts of 16 to 1,024 tokens, 1 and 8 sequences; every grouped MoE GEMM tile), so the first requests do "
         "not pay Triton compilation and graph capture (vLLM captures its graphs at start likewise). Ignored on CPU.",
     )
     fused_greedy_epilogue: bool = Field(

@@ -320,13 +320,17 @@ class LLMEngine:
                 self._children.pop(t.parent_id, None)
         return chunk
 
-    def warm_up(self, capture_graphs: bool = True, lengths: tuple[int, ...] = (16, 128, 1024),
+    def warm_up(self, capture_graphs: bool = True, lengths: tuple[int, ...] = (16, 100, 128, 256, 512, 1024),
                 batch: int = 8, batch_len: int = 256, new_tokens: int = 4) -> dict:
         """Run the kernels once before serving: capture every decode-graph bucket (largest first, with
         ``capture_graphs``), then greedy throwaway requests of random token ids (seeded): one prompt of each of
         ``lengths`` tokens, then ``batch`` prompts of ``batch_len`` tokens at once, ``new_tokens`` each. Their
         Triton kernels compile and their graphs replay here instead of inside the first requests. Lengths are
         capped to what ``max_model_len`` and the KV pool hold. Call it while the engine holds no request.
+        The default lengths reach every M-block height of the grouped MoE GEMMs
+        (:func:`replicas.kernels.moe.grouped_gemm.pick_block_m`: 16, 32, 64, 128 rows, each its own compiled
+        kernel) for GPT-OSS's 128 and 32 experts (top 4), and a length that is not a multiple of 16 (Triton
+        specializes integer arguments on divisibility by 16); the 8-sequence batch reaches 2,048 tokens.
 
         Returns ``{"graphs_failed": [...], "prompts": n, "seconds": s}``.
 
