@@ -67,6 +67,8 @@ from ops.telemetry.tracing import (
     ATTR_GEN_AI_OPERATION,
     ATTR_GEN_AI_OUTPUT_TOKENS,
     ATTR_GEN_AI_TEMPERATURE,
+    ATTR_INGRESS_HANDLER_NS,
+    ATTR_INGRESS_PLANNED_NS,
     ATTR_LANE,
     ATTR_REQUEST_ID,
     extract_context,
@@ -234,9 +236,10 @@ class OpenAIIngress:
 
     @api.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
+        entered = time.time_ns()
         self._check_common(body)
         plan = await asyncio.to_thread(self.chat_planner.plan, body)  # templating + tokenizing off the event loop
-        return await self._serve(body, plan.token_ids, chat=True, http=request, plan=plan)
+        return await self._serve(body, plan.token_ids, chat=True, http=request, plan=plan, entered_ns=entered)
 
     @api.post("/v1/responses")
     async def responses(self, body: ResponsesRequest, request: Request):
@@ -244,6 +247,7 @@ class OpenAIIngress:
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
+        entered = time.time_ns()
         self._check_common(body)
         prompts = []
         for prompt in body.prompt:  # one or more (OpenAI's batched prompts)
@@ -255,7 +259,7 @@ class OpenAIIngress:
                 echo = self.tokenizer.decode(ids) if body.echo else ""
             prompts.append((ids, echo if body.echo else ""))
         return await self._serve(body, prompts[0][0], chat=False, echo=prompts[0][1], http=request,
-                                 prompts=prompts if len(prompts) > 1 else None)
+                                 prompts=prompts if len(prompts) > 1 else None, entered_ns=entered)
 
     @api.get("/tokenizer_info")
     async def tokenizer_info(self):
@@ -344,17 +348,23 @@ class OpenAIIngress:
             attributes={"http.request.method": "POST", "url.path": path, **attributes}), True
 
     async def _serve(self, body, ids: list[int], chat: bool, echo: str = "", http: Request | None = None,
-                     plan=None, fmt=None, prompts: list[tuple[list[int], str]] | None = None):
+                     plan=None, fmt=None, prompts: list[tuple[list[int], str]] | None = None,
+                     entered_ns: int | None = None):
         """Run one request and answer it; ``plan`` (chat) adds stop tokens and a grammar, ``fmt`` replaces the
         response formatter (the Responses API's). ``prompts`` (completions with several prompts): ``(token ids,
         echo text)`` per prompt instead of ``ids``/``echo``, one engine request each, run at once, ``body.n``
         choices each (choice ``p * n + i``). Errors before every prompt's first item are HTTP errors;
-        ``x-lane`` names the lane that served (``a,b`` when the prompts went to different lanes)."""
+        ``x-lane`` names the lane that served (``a,b`` when the prompts went to different lanes).
+        ``entered_ns``: when the handler was entered (``time.time_ns()``), marked on the HTTP span with the
+        time planning ended (:data:`~ops.telemetry.tracing.ATTR_INGRESS_HANDLER_NS`, ``..._PLANNED_NS``)."""
         from opentelemetry import trace
         from opentelemetry.trace import Status, StatusCode
 
         arrival = time.monotonic()
+        planned = time.time_ns()
         span, owned = self._http_span(http, body, chat)
+        if entered_ns is not None:
+            span.set_attributes({ATTR_INGRESS_HANDLER_NS: entered_ns, ATTR_INGRESS_PLANNED_NS: planned})
         try:
             override = self._lane_override(http)
             prompts = prompts or [(ids, echo)]

@@ -18,7 +18,9 @@ Starts a local Ray cluster, deploys the app (the embedded model unless ``--model
                       by FastAPI as the request enters the app) starts: client, proxy, Serve's
                       ASGI hand-over
   ``ingress``         the HTTP span starts → ``route`` starts (validation, chat template,
-                      tokenization, the request guard)
+                      tokenization, the request guard); split by the handler's marks into
+                      ``ingress_body`` (the body received and validated, the handler entered),
+                      ``ingress_plan`` (template, tokens) and ``ingress_route`` (the rest)
   ``to_replica``      ``route`` starts → ``replica.generate`` starts (Serve handle: replica choice,
                       the hop; on the persistent lane also the ``Started`` handshake's wait)
   ``to_engine``       ``replica.generate`` starts → ``generation`` starts (actor hop)
@@ -45,8 +47,13 @@ import os
 import statistics
 import time
 
+from ops.telemetry.tracing import ATTR_INGRESS_HANDLER_NS, ATTR_INGRESS_PLANNED_NS
+
 LANES = ("persistent", "standard")
 SEGMENTS = ("to_ingress", "ingress", "to_replica", "to_engine", "engine", "back")
+INGRESS_PARTS = ("ingress_body", "ingress_plan", "ingress_route")
+"""``ingress`` split at the handler's marks on the HTTP span: receiving and validating the body, planning
+(template, tokens), the handler's own work up to ``route``."""
 
 
 def _summary(samples: list[float]) -> str:
@@ -102,6 +109,12 @@ def segments(record: dict, spans: list) -> dict[str, float] | None:
            "engine": float(ttft),
            "back": (record["chunks"][0] - first_out) / 1e9,
            "ttft": (record["chunks"][0] - record["sent"]) / 1e9}
+    entered = http.attributes.get(ATTR_INGRESS_HANDLER_NS)
+    planned = http.attributes.get(ATTR_INGRESS_PLANNED_NS)
+    if entered is not None and planned is not None:  # the ingress segment, split at the handler's marks
+        out["ingress_body"] = (int(entered) - http.start_ns) / 1e9
+        out["ingress_plan"] = (int(planned) - int(entered)) / 1e9
+        out["ingress_route"] = (route.start_ns - int(planned)) / 1e9
     quanta = sorted((s for s in by_name.get("quantum", []) if s.attributes.get("quantum.tokens_emitted")),
                     key=lambda s: s.end_ns)
     later = record["chunks"][len(record["chunks"]) - len(quanta):]  # the prefill's token comes first, alone
@@ -148,7 +161,8 @@ def breakdown(base: str, receiver, model: str, n: int, max_tokens: int, lanes=LA
                 time.sleep(0.05)
             if row is not None:
                 rows.append(row)
-        keys = [*SEGMENTS, "ttft", *(["per_chunk_back"] if any("per_chunk_back" in r for r in rows) else [])]
+        optional = [k for k in INGRESS_PARTS + ("per_chunk_back",) if any(k in r for r in rows)]
+        keys = [*SEGMENTS, "ttft", *optional]
         out[lane] = {"requests": len(rows), "served": sorted({r["lane"] or "?" for r in records}),
                      **{k: round(statistics.median(r[k] for r in rows if k in r) * 1e3, 3) for k in keys if rows}}
     return out
@@ -234,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="the app's model (default: the embedded one)")
     p.add_argument("--app-args", default="{}", help="more app arguments, JSON (e.g. '{\"device\": \"cuda\"}')")
     p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--client-port", type=int, default=None,
+                   help="send the benchmark's HTTP requests to this port instead of --port (e.g. the ingress "
+                        "replica's own port under Ray's RAY_SERVE_ENABLE_DIRECT_INGRESS=1, 30000 and up)")
     args = p.parse_args(argv)
 
     import httpx
@@ -251,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         app_args.update(tracing_exporter="otlp", tracing_endpoint=receiver.endpoint, tracing_protocol="http/protobuf",
                         tracing_schedule_delay_ms=50)
     serve.run(build_app(app_args), name="bench", route_prefix="/")
-    base = f"http://127.0.0.1:{args.port}"
+    base = f"http://127.0.0.1:{args.client_port or args.port}"
     model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
     chat = {"model": model, "temperature": 0, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
 

@@ -116,6 +116,10 @@ ATTR_GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 ATTR_GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
 # Not in the conventions yet; vLLM's request spans use the same key. Seconds, as a float.
 ATTR_GEN_AI_TTFT = "gen_ai.latency.time_to_first_token"
+# The ingress HTTP span's own marks (Unix time, ns): the handler entered (FastAPI read and validated the body),
+# and the prompt planned (chat template, tokenization) just before routing.
+ATTR_INGRESS_HANDLER_NS = "persistent_serve.ingress.handler_entered_ns"
+ATTR_INGRESS_PLANNED_NS = "persistent_serve.ingress.planned_ns"
 
 FallbackStage = Literal["prelaunch", "postlaunch"]
 FALLBACK_STAGES: tuple[str, ...] = ("prelaunch", "postlaunch")
