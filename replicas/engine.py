@@ -320,17 +320,15 @@ class LLMEngine:
                 self._children.pop(t.parent_id, None)
         return chunk
 
-    def warm_up(self, capture_graphs: bool = True, lengths: tuple[int, ...] = (16, 100, 128, 256, 512, 1024),
+    def warm_up(self, capture_graphs: bool = True, lengths: tuple[int, ...] = (16, 100, 128, 1024),
                 batch: int = 8, batch_len: int = 256, new_tokens: int = 4) -> dict:
         """Run the kernels once before serving: capture every decode-graph bucket (largest first, with
         ``capture_graphs``), then greedy throwaway requests of random token ids (seeded): one prompt of each of
         ``lengths`` tokens, then ``batch`` prompts of ``batch_len`` tokens at once, ``new_tokens`` each. Their
         Triton kernels compile and their graphs replay here instead of inside the first requests. Lengths are
         capped to what ``max_model_len`` and the KV pool hold. Call it while the engine holds no request.
-        The default lengths reach every M-block height of the grouped MoE GEMMs
-        (:func:`replicas.kernels.moe.grouped_gemm.pick_block_m`: 16, 32, 64, 128 rows, each its own compiled
-        kernel) for GPT-OSS's 128 and 32 experts (top 4), and a length that is not a multiple of 16 (Triton
-        specializes integer arguments on divisibility by 16); the 8-sequence batch reaches 2,048 tokens.
+        A model with ``warm_up_prompt_lengths(max_tokens)`` (GPT-OSS: one length per M-block height of its
+        grouped MoE GEMMs, each height its own compiled kernel) adds its lengths; 100 is not a multiple of 16.
 
         Returns ``{"graphs_failed": [...], "prompts": n, "seconds": s}``.
 
@@ -347,6 +345,9 @@ class LLMEngine:
         cfg, alloc = self.core.config, self.core.allocator
         vocab = self.core.model.config.vocab_size
         longest = max(1, min(cfg.max_model_len - new_tokens, alloc.num_blocks * PAGE_SIZE // 2))
+        model_lengths = getattr(self.core.model, "warm_up_prompt_lengths", None)
+        if model_lengths is not None:  # the lengths that reach each of the model's kernel variants
+            lengths = (*lengths, *model_lengths(longest))
         rounds = [[n] for n in dict.fromkeys(min(n, longest) for n in lengths)]  # capped, duplicates once
         rounds.append([min(batch_len, max(1, longest // batch))] * batch)
         generator = torch.Generator().manual_seed(0)

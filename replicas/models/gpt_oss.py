@@ -329,6 +329,17 @@ class GptOssForCausalLM(nn.Module):
         moe = self.ops.moe
         return None if moe is not None and moe.capturable_at_any_batch else DECODE_MAX_TOKENS
 
+    def warm_up_prompt_lengths(self, max_tokens: int) -> tuple[int, ...]:
+        """Prompt lengths (at most ``max_tokens``) whose prefill reaches every M-block height of the grouped
+        MoE GEMMs for this model's experts (:func:`~replicas.kernels.moe.grouped_gemm.token_counts_per_block_m`;
+        above :data:`~replicas.kernels.moe.DECODE_MAX_TOKENS`, where the grouped path starts), for
+        :meth:`replicas.engine.LLMEngine.warm_up`."""
+        from replicas.kernels.moe.grouped_gemm import token_counts_per_block_m
+
+        cfg = self.config
+        found = token_counts_per_block_m(cfg.num_experts, cfg.experts_per_token, DECODE_MAX_TOKENS + 1, max_tokens)
+        return tuple(sorted(found.values()))
+
     def use_ops(self, ops: DecodeOps) -> GptOssForCausalLM:
         """Run on ``ops`` (resolved once at load by :func:`replicas.models.registry.load_model`): every layer's
         MoE and the decode step use its kernels, and the experts are repacked in place when its MoE backend

@@ -109,7 +109,7 @@ program, the left operand; ``block_k`` a multiple of 128: eight dots of at least
 PER_CODE_OVERRIDES: dict[int, TileConfig] = {}
 """Benchmark-only replacements of :data:`PER_CODE_TILES` entries."""
 
-VARIANT = "joined"
+VARIANT = "per_code"
 """Which grouped GEMM kernels run: ``joined`` (weights decoded, joined into element order, the right operand
 of ``tl.dot``) or ``per_code`` (weights on the left, eight dots per K step, activations permuted)."""
 
@@ -123,6 +123,16 @@ def pick_block_m(num_pairs: int, num_experts: int) -> int:
     (``m + 2 sqrt(m)``), so that most experts fit one M-block and their weights are decoded once."""
     mean = num_pairs / max(1, num_experts)
     return min(128, max(16, triton.next_power_of_2(math.ceil(mean + 2 * math.sqrt(mean)))))
+
+
+def token_counts_per_block_m(num_experts: int, top_k: int, min_tokens: int, max_tokens: int) -> dict[int, int]:
+    """The smallest token count in ``[min_tokens, max_tokens]`` that :func:`pick_block_m` gives each M-block
+    height (``{block_m: tokens}``; a height no count in the range reaches is left out). Each height is its own
+    compiled kernel: a warm-up that runs these counts compiles every one before serving."""
+    out: dict[int, int] = {}
+    for t in range(max(1, min_tokens), max_tokens + 1):
+        out.setdefault(pick_block_m(t * top_k, num_experts), t)
+    return out
 
 
 def tile_config(block_m: int) -> TileConfig:
@@ -172,10 +182,14 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
 
 
 GROUP_CHUNK = 64
-"""Pairs per program of :func:`triton_group_by_expert` (a ``[GROUP_CHUNK, E]`` one-hot tile each)."""
+"""Pairs per program of :func:`triton_group_by_expert` (a ``[GROUP_CHUNK, E]`` one-hot tile each).
+
+Its three kernels take the pair count (and the counts derived from it) unspecialized (``do_not_specialize``):
+Triton would otherwise compile a variant per divisibility by 16 of each of them, and a serving step of a new
+token count (a prefill chunk beside a few decodes) would pay that compilation inside a request."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _count_kernel(ids_ptr, counts_ptr, P, E, C: tl.constexpr, EP: tl.constexpr):
     """Grid ``(chunks,)``: ``counts[chunk, e]`` = pairs of the chunk routed to expert ``e``."""
     c = tl.program_id(0)
@@ -186,7 +200,7 @@ def _count_kernel(ids_ptr, counts_ptr, P, E, C: tl.constexpr, EP: tl.constexpr):
     tl.store(counts_ptr + c * EP + cols, tl.sum(hot, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks", "max_blocks"])
 def _offsets_kernel(counts_ptr, expert_start_ptr, block_expert_ptr, block_row_ptr, chunks, E, max_blocks,
                     BLOCK_M: tl.constexpr, EP: tl.constexpr, CB: tl.constexpr, BB: tl.constexpr):
     """One program: per-expert totals, ``expert_start``, each chunk's first slot per expert (``counts``
@@ -225,7 +239,7 @@ def _offsets_kernel(counts_ptr, expert_start_ptr, block_expert_ptr, block_row_pt
         tl.store(block_row_ptr + b, row, mask=b < max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _place_kernel(ids_ptr, offsets_ptr, order_ptr, P, C: tl.constexpr, EP: tl.constexpr):
     """Grid ``(chunks,)``: pair ``p``'s place in ``order`` = its chunk's offset for its expert + the pairs of
     that expert before it in the chunk (a stable placement)."""
