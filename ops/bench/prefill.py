@@ -18,8 +18,7 @@ order; each in its own ``try``, so one failing part does not lose the others; a 
   tokens, else each routed expert dequantized); compute and bytes floors.
 * ``gpt-oss-120b`` / ``gpt-oss-20b`` — random weights of the released shapes (``ops/bench/engine.py``):
   TTFT at prompts of 128, 1,024 and 8,192 tokens, batch one, on the persistent lane and the standard lane,
-  with the floor (compute at ``--tflops``, bytes at ``--bandwidth-tbps``); the standard lane at 1,024 and
-  8,192 with the other grouped GEMM variant (``--moe-variant``) for comparison; a repeated 2,000-token
+  with the floor (compute at ``--tflops``, bytes at ``--bandwidth-tbps``); a repeated 2,000-token
   prompt on the persistent lane with prefix caching (only the uncached rest is prefilled). For 120b also the
   standard lane at concurrency 1, 8, 16, 64, 256 (random 1,024-token prompts, 128 new tokens, greedy):
   output tok/s, ITL median/p99, the median decode step at full concurrency and its fraction of the
@@ -332,46 +331,9 @@ def check_moe(tol: float = 2e-2, experts=None) -> list[list]:
         weights = torch.softmax(top, -1).to(S.dtype)
         want = moe_reference(x.float(), weights.float(), ids, ref_experts)
         for name, ex in layouts.items():
-            for variant in MOE_VARIANTS:
-                try:
-                    with moe_variant(variant):
-                        err = rel_err(experts_moe(x, weights, ids, ex), want)
-                    rows.append([f"grouped MoE ({variant}): {t} tokens, {name}", err, tol, err < tol])
-                except Exception as exc:  # noqa: BLE001 - a variant that does not compile
-                    rows.append([f"grouped MoE ({variant}): {t} tokens, {name}", float("nan"), tol,
-                                 f"failed: {type(exc).__name__}: {str(exc)[:100]}"])
-    _fall_back_if_failed(rows)
+            err = rel_err(experts_moe(x, weights, ids, ex), want)
+            rows.append([f"grouped MoE: {t} tokens, {name}", err, tol, err < tol])
     return rows
-
-
-def _fall_back_if_failed(rows: list[list]) -> None:
-    """The model parts run the joined kernels when the chosen variant failed a check (``--moe-variant``)."""
-    from replicas.kernels.moe import grouped_gemm as mg
-
-    if mg.VARIANT != "joined" and any(f"({mg.VARIANT})" in r[0] and r[3] is not True for r in rows):
-        print(f"grouped GEMMs: {mg.VARIANT} failed a check; the model parts run joined", flush=True)
-        mg.VARIANT = "joined"
-
-
-MOE_VARIANTS = ("joined", "per_code")
-"""The grouped GEMM kernels compared (:data:`replicas.kernels.moe.grouped_gemm.VARIANT`)."""
-
-
-class moe_variant:
-    """``with moe_variant(name):`` runs the grouped GEMMs as ``name``, then restores the variant."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __enter__(self):
-        from replicas.kernels.moe import grouped_gemm as mg
-
-        self.before, mg.VARIANT = mg.VARIANT, self.name
-
-    def __exit__(self, *exc):
-        from replicas.kernels.moe import grouped_gemm as mg
-
-        mg.VARIANT = self.before
 
 
 def check_step_inputs() -> list[list]:
@@ -521,7 +483,6 @@ def _matmul_ogs(tk_dir: str | None):
 
 def _moe_kernels(rep: Report, args) -> None:
     from replicas.kernels.moe import MoE, resolve_moe
-    from replicas.kernels.moe import grouped_gemm as mg
     from replicas.kernels.moe.grouped_gemm import expert_bytes, experts_moe
 
     # the previous path: decode kernels up to 16 tokens, else each routed expert dequantized
@@ -549,13 +510,6 @@ def _moe_kernels(rep: Report, args) -> None:
         floor_flops = 2 * t * k * 3 * hidden * inter / (args.tflops * 1e12) * 1e3
         floor = max(floor_bytes, floor_flops)
         ours = cuda_ms(lambda x=x, w=weights, i=ids, ex=packed: experts_moe(x, w, i, ex))
-        other = "per_code" if mg.VARIANT == "joined" else "joined"
-        try:
-            with moe_variant(other):
-                ours_other = cuda_ms(lambda x=x, w=weights, i=ids, ex=packed: experts_moe(x, w, i, ex))
-        except Exception as exc:  # noqa: BLE001 - a variant that does not compile
-            ours_other = float("nan")
-            notes.append(f"{other} failed at {t} tokens ({type(exc).__name__}: {str(exc)[:120]})")
         ours_ck = cuda_ms(lambda x=x, w=weights, i=ids, ex=experts: experts_moe(x, w, i, ex))
         before = float("nan")
         if t <= 1024:  # the previous path: decode kernels up to 16 tokens, else per-expert dequantization
@@ -568,14 +522,13 @@ def _moe_kernels(rep: Report, args) -> None:
                 peer_err = rel_err(run_peer(x, logits, peer_w), experts_moe(x, weights, ids, packed))
             except Exception as exc:  # noqa: BLE001
                 peer = f"failed at {t} tokens ({type(exc).__name__}: {str(exc)[:200]})"
-        rows.append([t, distinct, floor_bytes, floor_flops, ours, floor / ours, ours_other, ours_ck, peer_ms, peer_err,
-                     before])
+        rows.append([t, distinct, floor_bytes, floor_flops, ours, floor / ours, ours_ck, peer_ms, peer_err, before])
     if isinstance(peer, str):
         notes.append(f"matmul_ogs: {peer}")
     rep.table(f"MoE layer (gate_up + SwiGLU + down, {e} experts, top {k}, widths {hidden}/{inter}), "
               f"{str(S.dtype).removeprefix('torch.')}, ms",
-              ["tokens", "experts read", "bytes floor", "compute floor", f"ours {mg.VARIANT} (decode layout)",
-               "of floor", f"ours {other} (decode layout)", f"ours {mg.VARIANT} (checkpoint layout)", "matmul_ogs", "matmul_ogs vs ours (rel diff)", "previous path"], rows,
+              ["tokens", "experts read", "bytes floor", "compute floor", "ours (decode layout)", "of floor",
+               "ours (checkpoint layout)", "matmul_ogs", "matmul_ogs vs ours (rel diff)", "previous path"], rows,
               f"Floors: distinct experts' packed bytes at {args.bandwidth_tbps} TB/s; 2 T K (3 H I) FLOP at "
               f"{args.tflops} TFLOP/s. matmul_ogs includes its routing (top-k from the logits) and its "
               "scatter-sum; ours takes the top-k ids and sums the K partials in fp32. " + " ".join(notes))
@@ -766,27 +719,11 @@ def part_model(rep: Report, args, shape: str) -> None:
             except Exception as exc:  # noqa: BLE001 - the other lengths still run
                 rep.error(f"{shape}/TTFT {n} tokens", exc)
                 rows.append([n, float("nan"), float("nan"), comp, byt, f"failed: {type(exc).__name__}"])
-        before = ""
-        from replicas.kernels.moe import grouped_gemm as mg
-
-        other = "per_code" if mg.VARIANT == "joined" else "joined"
-        for n in S.prompts[1:]:
-            if rep.left() < 60:
-                break
-            try:
-                with moe_variant(other):
-                    ttft_standard(core, random_prompt(vocab, n, 600 + n))  # compiles the other kernels
-                    alt = statistics.median(ttft_standard(core, random_prompt(vocab, n, 610 + n + r))
-                                            for r in range(2))
-                before += f" The standard lane with the {other} grouped GEMMs, {n:,} tokens: {alt:,.1f} ms."
-            except Exception as exc:  # noqa: BLE001
-                rep.error(f"{shape}/{other} grouped GEMMs {n} tokens", exc)
-        before = f"Grouped GEMMs: {mg.VARIANT}." + before
         rep.table(f"TTFT, batch one, {shape} (random weights), ms",
                   ["prompt", "persistent lane", "standard lane", "compute floor", "bytes floor", "of floor"], rows,
                   f"Median of {args.reps} fresh random prompts (no prefix-cache hits); floor = max(compute at "
                   f"{args.tflops} TFLOP/s, bytes at {args.bandwidth_tbps} TB/s), overlapped. Built in {build_s:.0f} s, "
-                  f"warm-up (compiling) {warm_s:.0f} s. {before}")
+                  f"warm-up (compiling) {warm_s:.0f} s.")
         for n in S.profile_prompts:
             if rep.left() < 60:
                 break
@@ -902,20 +839,11 @@ def _sweep_one(core, c: int, args, steps: list) -> list:
 # ------------------------------------------------------------------------------------------- tiles
 
 
-MOE_TILES = {  # tokens -> alternatives for the block height pick_block_m gives them (120b: 128 experts, top 4)
-    64: [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 3), (32, 128, 2, 3), (64, 128, 8, 4)],
-    128: [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 3), (32, 128, 4, 4)],
-    1024: [(64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3)],
-    8192: [(128, 64, 8, 3), (128, 64, 4, 3), (256, 64, 8, 3), (128, 128, 8, 4)],
-}
-"""``(block_n, block_k, num_warps, num_stages)`` tried per token count."""
-
-PER_CODE_TILES = {  # tokens -> (block_n, block_k, num_warps, num_stages) of the per_code kernels
-    64: [(128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 3), (128, 256, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3)],
-    128: [(128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 3), (128, 256, 4, 3)],
-    1024: [(128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 3), (128, 256, 4, 3), (128, 128, 4, 4),
-           (128, 128, 8, 3), (256, 128, 8, 4)],
-    8192: [(128, 128, 8, 3), (128, 128, 4, 3), (256, 128, 8, 3), (128, 256, 8, 3)],
+MOE_TILES = {  # tokens -> (block_n, block_k, num_warps, num_stages) tried (120b: 128 experts, top 4)
+    64: [(128, 256, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 3)],
+    128: [(128, 256, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3)],
+    1024: [(128, 128, 4, 3), (64, 128, 4, 3), (128, 256, 4, 3), (128, 128, 4, 4), (256, 128, 8, 4)],
+    8192: [(256, 128, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3)],
 }
 
 ATTN_TILES = [(128, 64, 4, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]
@@ -933,9 +861,7 @@ def part_tiles(rep: Report, args) -> None:
     experts = repacked_copy(random_experts(e, hidden, inter, S.dtype, seed=5))
     rows = []
     for t, tiles in MOE_TILES.items():
-        per_code = PER_CODE_TILES[t]
         if S.smoke:
-            per_code = per_code[:2]
             t, tiles = 9, tiles[:2]
         if rep.left() < 30:
             break
@@ -956,18 +882,6 @@ def part_tiles(rep: Report, args) -> None:
                              f"{type(exc).__name__}: {str(exc)[:80]}"])
             finally:
                 mg.TILE_OVERRIDES.clear()
-        for bn, bk, warps, stages in per_code:
-            mg.PER_CODE_OVERRIDES[bm] = mg.TileConfig(bm, bn, bk, warps, stages)
-            name = f"per_code M{bm} N{bn} K{bk} w{warps} s{stages}"
-            try:
-                with moe_variant("per_code"):
-                    ms = cuda_ms(lambda x=x, w=w, i=ids: mg.experts_moe(x, w, i, experts))
-                    err = rel_err(mg.experts_moe(x, w, ids, experts), want)
-                rows.append([f"MoE {t} tokens", name, ms, err])
-            except Exception as exc:  # noqa: BLE001 - a tile that does not compile
-                rows.append([f"MoE {t} tokens", name, float("nan"), f"{type(exc).__name__}: {str(exc)[:80]}"])
-            finally:
-                mg.PER_CODE_OVERRIDES.clear()
     if "attention" in args.skip:
         rep.table("Tile alternatives (first row of each group: the default), gpt-oss-120b layer shapes",
                   ["kernel", "tile", "ms", "rel diff to default"], rows)
@@ -1108,8 +1022,6 @@ def main(argv: list[str] | None = None) -> Report | None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--bandwidth-tbps", type=float, default=4.8, help="HBM bandwidth for the floors (H200: 4.8)")
     p.add_argument("--tflops", type=float, default=790.0, help="dense bf16 TFLOP/s for the floors (H200, measured)")
-    p.add_argument("--moe-variant", choices=MOE_VARIANTS, default=None,
-                   help="the grouped GEMM kernels of the model parts (default: the module's)")
     p.add_argument("--merge-docs", help="only merge this benchmarks_section.md into docs/benchmarks.md")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, Triton's interpreter, tiny shapes: checks that the script runs (numbers meaningless)")
@@ -1124,10 +1036,6 @@ def main(argv: list[str] | None = None) -> Report | None:
     elif not torch.cuda.is_available():
         raise SystemExit("ops.bench.prefill needs a CUDA GPU (or --smoke)")
     rep = Report(Path(args.out), argv, args.budget_s)
-    if args.moe_variant:
-        from replicas.kernels.moe import grouped_gemm as mg
-
-        mg.VARIANT = args.moe_variant
     runners = {"checks": part_checks, "kernels": part_kernels, "lanes": part_lanes, "tiles": part_tiles,
                "gpt-oss-120b": lambda r, a: part_model(r, a, "gpt-oss-120b"),
                "gpt-oss-20b": lambda r, a: part_model(r, a, "gpt-oss-20b")}

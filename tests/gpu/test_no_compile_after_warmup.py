@@ -1,11 +1,11 @@
 """After ``LLMEngine.warm_up``, serving compiles no Triton kernel: staggered arrivals of odd lengths beside
 running decodes (the token counts of a first burst of requests) find every kernel variant compiled.
 
-The H200 run of the served app (``ops.tools.gpu_serve``, 2026-12-02) saw the first burst of 8 concurrent
-GPT-OSS requests wait about 1.6 s that the engine-direct run of the same prompts did not: the grouping
-kernels of the MoE GEMMs were specialized on the pair count's divisibility by 16, and a mixed step of a new
-token count compiled them inside the requests. Counted here from each kernel's own cache of compiled
-variants (``JITFunction.device_caches``), not timed.
+Counted from each kernel's own cache of compiled variants (``JITFunction.device_caches``), not timed. Written
+while looking for why the first burst of 8 concurrent GPT-OSS requests through Serve on the H200 waited about
+1.6 s that the engine-direct run did not (``docs/benchmarks.md``); on the H200 it passes with and without the
+grouping kernels' ``do_not_specialize``, so compilation after warm-up is ruled out as that cause for this
+model, and the cause is still open.
 """
 
 from __future__ import annotations

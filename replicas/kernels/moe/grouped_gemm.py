@@ -44,6 +44,15 @@ power of two; an MXFP4 value has two significand bits) for every scale code
 The tensor cores (``tl.dot``; every dimension at least 16) multiply bf16 (or,
 for fp32 models, IEEE fp32) operands with fp32 accumulation.
 
+The decoded weights are the *left* operand and are never put back into element
+order: each K step of ``BLOCK_K`` inputs is eight dots of ``BLOCK_K / 8``
+inputs, one per code position ``c`` of the step's words, each against the
+activations of inputs ``k0 + 8 w + c``. The activations are stored permuted
+within each ``BLOCK_K`` chunk (:func:`permute_activations`; gate_up writes ``h``
+so) so that those are contiguous. The earlier kernels joined the eight codes
+into element order and put the weights on the right; on the H200 these are
+faster at 1,024 tokens and at 8,192 for 120b (``docs/benchmarks.md``).
+
 Reference: :func:`replicas.kernels.moe.moe_reference` (each routed expert
 dequantized, dense GEMMs, the same math as transformers' ``GptOssExperts``).
 """
@@ -88,34 +97,18 @@ class TileConfig:
 
 
 TILES = {
-    16: TileConfig(16, 64, 128, 4, 3),
-    32: TileConfig(32, 64, 128, 4, 3),
-    64: TileConfig(64, 64, 128, 4, 3),
-    128: TileConfig(128, 128, 64, 8, 3),
-}
-"""Tile shape per ``BLOCK_M`` (chosen by :func:`pick_block_m` from the pairs per expert). Small M-blocks
-(decode batches, a few pairs per expert) are bound by reading and decoding the weights: wide K steps; large
-ones (long prompts) by the tensor cores. ``python -m ops.bench.prefill --parts tiles`` times alternatives."""
-
-PER_CODE_TILES = {
     16: TileConfig(16, 128, 256, 4, 3),
     32: TileConfig(32, 128, 256, 4, 3),
     64: TileConfig(64, 128, 128, 4, 3),
     128: TileConfig(128, 256, 128, 8, 3),
 }
-"""Tiles of the ``per_code`` kernels per ``BLOCK_M`` (tokens per program; ``block_n`` = weight rows per
-program, the left operand; ``block_k`` a multiple of 128: eight dots of at least 16 inputs each)."""
-
-PER_CODE_OVERRIDES: dict[int, TileConfig] = {}
-"""Benchmark-only replacements of :data:`PER_CODE_TILES` entries."""
-
-VARIANT = "per_code"
-"""Which grouped GEMM kernels run: ``joined`` (weights decoded, joined into element order, the right operand
-of ``tl.dot``) or ``per_code`` (weights on the left, eight dots per K step, activations permuted)."""
+"""Tile shape per ``BLOCK_M`` (chosen by :func:`pick_block_m` from the pairs per expert): ``BLOCK_M`` pairs
+per program, ``block_n`` weight rows per program (the left operand), ``block_k`` a multiple of 128 (eight dots
+of at least 16 inputs each). From the H200 sweep of ``python -m ops.bench.prefill --parts tiles``
+(``docs/benchmarks.md``)."""
 
 TILE_OVERRIDES: dict[int, TileConfig] = {}
 """Benchmark-only replacements of :data:`TILES` entries (``ops/bench/prefill.py`` sweeps a few)."""
-
 
 def pick_block_m(num_pairs: int, num_experts: int) -> int:
     """``BLOCK_M``: a power of two (16..128: ``tl.dot`` needs 16, past 128 the tile no longer fits the
@@ -286,13 +279,6 @@ def triton_group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 
 @triton.jit
-def _join8(t0, t1, t2, t3, t4, t5, t6, t7):
-    """Eight ``[R, W]`` tensors (the codes 0..7 of each word) → ``[R, W * 8]`` in code (= element) order."""
-    v = tl.join(tl.join(tl.join(t0, t4), tl.join(t2, t6)), tl.join(tl.join(t1, t5), tl.join(t3, t7)))
-    return tl.reshape(v, [t0.shape[0], t0.shape[1] * 8])
-
-
-@triton.jit
 def _code_f32(w, c: tl.constexpr):
     """Code ``c`` of uint32 words ``w`` (checkpoint layout: bits ``4c..4c+3``) → fp32, the E2M1 value x 2**-126."""
     mag = ((w >> (4 * c)) & 7) << 22
@@ -307,114 +293,9 @@ def _pair_f32(pair):
 
 
 @triton.jit
-def _decode_words(w, f, REPACKED: tl.constexpr):
-    """uint32 words ``[R, W]`` and their scale factors ``f`` ``[R, W]`` (``2**(s - 65)``) → the
-    ``[R, W * 8]`` fp32 weights times ``2**-64``, element order."""
-    if REPACKED:
-        v = w & _PAIR3_MASK
-        c0, c4 = _pair_f32(w & _PAIR_MASK)
-        c1, c5 = _pair_f32((w << _SHIFT1) & _PAIR_MASK)
-        c2, c6 = _pair_f32((w << _SHIFT2) & _PAIR_MASK)
-        c3, c7 = _pair_f32(((v >> _MAG3_A) | (v >> _MAG3_B) | (v << _SIGN3)) & _PAIR_MASK)
-    else:
-        c0 = _code_f32(w, 0)
-        c1 = _code_f32(w, 1)
-        c2 = _code_f32(w, 2)
-        c3 = _code_f32(w, 3)
-        c4 = _code_f32(w, 4)
-        c5 = _code_f32(w, 5)
-        c6 = _code_f32(w, 6)
-        c7 = _code_f32(w, 7)
-    return _join8(c0 * f, c1 * f, c2 * f, c3 * f, c4 * f, c5 * f, c6 * f, c7 * f)
-
-
-@triton.jit
-def _weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, N, KDIM: tl.constexpr, BLOCK_K: tl.constexpr,
-                 REPACKED: tl.constexpr):
-    """Rows ``n`` ``[BLOCK_N]`` of expert ``e``'s packed ``[N, KDIM]`` matrix, inputs ``k0 .. k0 + BLOCK_K``:
-    ``[BLOCK_N, BLOCK_K]`` fp32 times ``2**-64`` (:data:`ACC_SCALE` puts it back; 0 past ``KDIM`` or for rows
-    not ``n_ok``)."""
-    WORDS: tl.constexpr = BLOCK_K // 8
-    GROUPS: tl.constexpr = KDIM // 32
-    word = tl.arange(0, WORDS)
-    ok = n_ok[:, None] & ((k0 + word * 8) < KDIM)[None, :]
-    row = e.to(tl.int64) * N + n  # [BLOCK_N]
-    w = tl.load(w_ptr + row[:, None] * (KDIM // 8) + (k0 // 8 + word)[None, :], mask=ok, other=0)
-    s = tl.load(s_ptr + row[:, None] * GROUPS + (k0 // 32 + word // 4)[None, :], mask=ok, other=127)
-    f = ((s.to(tl.int32) + (127 - 65)) << 23).to(tl.float32, bitcast=True)  # 2**(s - 65)
-    return _decode_words(w.to(tl.uint32, bitcast=True), f, REPACKED)
-
-
-@triton.jit
-def _gate_up_kernel(x_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr, b_ptr, h_ptr,
-                    alpha, limit, stride_x, N, E, TOP_K: tl.constexpr, KDIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    REPACKED: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid ``(max_blocks, cdiv(2I, BLOCK_N))``: ``h[rows, cols] = swiglu(x[token(rows)] W^T + b)``, ``N = 2I``."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e >= E:
-        return
-    row0 = tl.load(block_row_ptr + pid_m)
-    row_end = tl.load(expert_start_ptr + e + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    r_ok = rows < row_end
-    pair = tl.load(order_ptr + rows, mask=r_ok, other=0)
-    tok = (pair // TOP_K).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, KDIM, BLOCK_K):
-        x = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + offs_k)[None, :],
-                    mask=r_ok[:, None] & ((k0 + offs_k) < KDIM)[None, :], other=0.0)
-        w = _weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, N, KDIM, BLOCK_K, REPACKED)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
-    acc = acc * ACC_SCALE + tl.load(b_ptr + e.to(tl.int64) * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-    cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    tl.store(h_ptr + rows.to(tl.int64)[:, None] * (N // 2) + cols[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=r_ok[:, None] & (cols < N // 2)[None, :])
-
-
-@triton.jit
-def _down_kernel(h_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr, b_ptr, rw_ptr,
-                 y_ptr, N, E, KDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, REPACKED: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid ``(max_blocks, cdiv(hidden, BLOCK_N))``: ``y[pair] = (h[rows] W^T + b) * route_weight[pair]`` fp32,
-    ``N = hidden``, ``KDIM = I``."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e >= E:
-        return
-    row0 = tl.load(block_row_ptr + pid_m)
-    row_end = tl.load(expert_start_ptr + e + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    r_ok = rows < row_end
-    pair = tl.load(order_ptr + rows, mask=r_ok, other=0).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, KDIM, BLOCK_K):
-        a = tl.load(h_ptr + rows.to(tl.int64)[:, None] * KDIM + (k0 + offs_k)[None, :],
-                    mask=r_ok[:, None] & ((k0 + offs_k) < KDIM)[None, :], other=0.0)
-        w = _weight_tile(w_ptr, s_ptr, e, n, n_ok, k0, N, KDIM, BLOCK_K, REPACKED)
-        acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=PRECISION)
-    acc = acc * ACC_SCALE + tl.load(b_ptr + e.to(tl.int64) * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    rw = tl.load(rw_ptr + pair, mask=r_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + pair[:, None] * N + n[None, :], acc * rw[:, None], mask=r_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
 def _codes(w, REPACKED: tl.constexpr):
     """uint32 words ``[R, W]`` → the 8 codes of each word as 8 fp32 ``[R, W]`` tensors (code ``c`` =
-    element ``8 w + c``), each the E2M1 value x 2**-126 (as :func:`_decode_words`, without joining them)."""
+    element ``8 w + c``), each the E2M1 value x 2**-126."""
     if REPACKED:
         v = w & _PAIR3_MASK
         c0, c4 = _pair_f32(w & _PAIR_MASK)
@@ -475,12 +356,12 @@ def _permuted_column(c, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_per_code_kernel(x_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr,
+def _gate_up_kernel(x_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr,
                              b_ptr, h_ptr, alpha, limit, stride_x, stride_h, N, E, TOP_K: tl.constexpr,
                              KDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, REPACKED: tl.constexpr, PRECISION: tl.constexpr):
-    """Grid ``(max_blocks, cdiv(2I, BLOCK_N))``: as :func:`_gate_up_kernel`, weights on the left
-    (:func:`_per_code_mainloop`); ``x`` and ``h`` in the permuted layout."""
+    """Grid ``(max_blocks, cdiv(2I, BLOCK_N))``: ``h[rows, cols] = swiglu(x[token(rows)] W^T + b)``, ``N = 2I``,
+    weights on the left (:func:`_per_code_mainloop`); ``x`` and ``h`` in the permuted layout."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -509,12 +390,12 @@ def _gate_up_per_code_kernel(x_ptr, order_ptr, block_expert_ptr, block_row_ptr, 
 
 
 @triton.jit
-def _down_per_code_kernel(h_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr, b_ptr,
+def _down_kernel(h_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr, b_ptr,
                           rw_ptr, y_ptr, stride_h, N, E, KDIM: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REPACKED: tl.constexpr,
                           PRECISION: tl.constexpr):
-    """Grid ``(max_blocks, cdiv(hidden, BLOCK_N))``: as :func:`_down_kernel`, weights on the left; ``h`` in the
-    permuted layout."""
+    """Grid ``(max_blocks, cdiv(hidden, BLOCK_N))``: ``y[pair] = (h[rows] W^T + b) * route_weight[pair]`` fp32,
+    ``N = hidden``, ``KDIM = I``, weights on the left; ``h`` in the permuted layout."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -612,36 +493,22 @@ def grouped_moe_partials(
     block_m = grouping.block_m if grouping is not None else pick_block_m(p, num_experts)
     g = grouping or triton_group_by_expert(ids, num_experts, block_m)
     precision = "ieee" if x.dtype == torch.float32 else None
-    if VARIANT == "per_code":
-        cfg = PER_CODE_OVERRIDES.get(block_m, PER_CODE_TILES[block_m])
-        bk = cfg.block_k
-        xp = permute_activations(x, bk)
-        ip = -(-inter // bk) * bk
-        h = torch.empty(p, ip, dtype=x.dtype, device=x.device)
-        if ip != inter:
-            h[:, (inter // bk) * bk:].zero_()  # the last chunk's padding (its places interleave with inputs)
-        _launch(_gate_up_per_code_kernel, (g.max_blocks, triton.cdiv(two_i, cfg.block_n)),
-                (xp, g.order, g.block_expert, g.block_row, g.expert_start, gu_words, gate_up_scales, gate_up_bias,
-                 h, float(alpha), float(limit), xp.stride(0), h.stride(0), two_i, num_experts), block_m, cfg,
-                TOP_K=top_k, KDIM=hidden, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, REPACKED=repacked,
-                PRECISION=precision)
-        _launch(_down_per_code_kernel, (g.max_blocks, triton.cdiv(hidden, cfg.block_n)),
-                (h, g.order, g.block_expert, g.block_row, g.expert_start, d_words, down_scales, down_bias,
-                 weights.reshape(-1).contiguous(), y, h.stride(0), hidden, num_experts), block_m, cfg,
-                KDIM=inter, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, REPACKED=repacked,
-                PRECISION=precision)
-        return y
     cfg = tile_config(block_m)
-    h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
+    bk = cfg.block_k
+    xp = permute_activations(x, bk)
+    ip = -(-inter // bk) * bk
+    h = torch.empty(p, ip, dtype=x.dtype, device=x.device)
+    if ip != inter:
+        h[:, (inter // bk) * bk:].zero_()  # the last chunk's padding (its places interleave with inputs)
     _launch(_gate_up_kernel, (g.max_blocks, triton.cdiv(two_i, cfg.block_n)),
-            (x, g.order, g.block_expert, g.block_row, g.expert_start, gu_words, gate_up_scales, gate_up_bias, h,
-             float(alpha), float(limit), x.stride(0), two_i, num_experts), block_m, cfg,
-            TOP_K=top_k, KDIM=hidden, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            REPACKED=repacked, PRECISION=precision)
+            (xp, g.order, g.block_expert, g.block_row, g.expert_start, gu_words, gate_up_scales, gate_up_bias,
+             h, float(alpha), float(limit), xp.stride(0), h.stride(0), two_i, num_experts), block_m, cfg,
+            TOP_K=top_k, KDIM=hidden, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, REPACKED=repacked,
+            PRECISION=precision)
     _launch(_down_kernel, (g.max_blocks, triton.cdiv(hidden, cfg.block_n)),
             (h, g.order, g.block_expert, g.block_row, g.expert_start, d_words, down_scales, down_bias,
-             weights.reshape(-1).contiguous(), y, hidden, num_experts), block_m, cfg,
-            KDIM=inter, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, REPACKED=repacked,
+             weights.reshape(-1).contiguous(), y, h.stride(0), hidden, num_experts), block_m, cfg,
+            KDIM=inter, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, REPACKED=repacked,
             PRECISION=precision)
     return y
 

@@ -1,8 +1,8 @@
 """The grouped MXFP4 MoE GEMMs against the dequantize-then-GEMM torch reference, on fresh random inputs.
 
 Triton's CPU interpreter in fp32 here (``TRITON_INTERPRET=1``); ``tests/gpu`` runs them compiled in bf16.
-Tiny shapes: ragged expert loads with empty experts, an expert with more pairs than one M-block, masked last
-K steps (96 = 3 scale groups with 64-wide steps), a masked last N tile, both weight layouts (the checkpoint's
+Tiny shapes: ragged expert loads with empty experts, an expert with more pairs than one M-block, padded last
+K chunks (96 and 64 inputs with 128-wide steps), a masked last N tile, both weight layouts (the checkpoint's
 and the decode layout the experts are repacked into at load on Hopper).
 """
 
@@ -54,19 +54,13 @@ def close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-5) -> None:
     assert err < tol, err
 
 
-@pytest.fixture(params=["joined", "per_code"])
-def small_tiles(request):
-    """Both kernel variants. joined: 16 x 32 output tiles with 64-wide K steps (several N tiles, a masked
-    last K step on tiny shapes); per_code: 32 weight rows per program, 128-wide K steps (widths 96 and 64
-    leave a padded last chunk, whose padding interleaves with the inputs)."""
-    before = mg.VARIANT
-    mg.VARIANT = request.param
-    mg.TILE_OVERRIDES.update({m: mg.TileConfig(m, 32, 64, 4, 1) for m in mg.TILES})
-    mg.PER_CODE_OVERRIDES.update({m: mg.TileConfig(m, 32, 128, 4, 1) for m in mg.PER_CODE_TILES})
+@pytest.fixture
+def small_tiles():
+    """32 weight rows per program with 128-wide K steps: several N tiles on tiny shapes, and widths 96 and 64
+    leave a padded last chunk (whose padding interleaves with the inputs)."""
+    mg.TILE_OVERRIDES.update({m: mg.TileConfig(m, 32, 128, 4, 1) for m in mg.TILES})
     yield
     mg.TILE_OVERRIDES.clear()
-    mg.PER_CODE_OVERRIDES.clear()
-    mg.VARIANT = before
 
 
 def routing(tokens: int, k: int, e: int, seed: int, skew: bool = False):
@@ -115,10 +109,9 @@ def test_partials_are_per_pair_and_residual_adds(small_tiles):
                                parts.sum(1) + residual, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["joined", "per_code"])
-def test_default_tiles_one_token(variant, monkeypatch):
-    """The serving tiles (16-row M-blocks, 128-wide K steps masked at 96) for a single decode token."""
-    monkeypatch.setattr(mg, "VARIANT", variant)
+def test_default_tiles_one_token():
+    """The serving tiles (16-row M-blocks, 256-wide K steps: one padded chunk at 96) for a single decode
+    token."""
     hidden, inter, e = 96, 64, 8
     experts = RandomExperts(e, hidden, inter, seed=2)
     weights, ids = routing(1, 4, e, seed=2)
