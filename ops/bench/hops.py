@@ -168,6 +168,46 @@ def breakdown(base: str, receiver, model: str, n: int, max_tokens: int, lanes=LA
     return out
 
 
+def burst(base: str, receiver, model: str, concurrency: int, max_tokens: int, lane: str = "standard",
+          prompts: list[list[int]] | None = None, wait_s: float = 30.0) -> list[dict]:
+    """``concurrency`` streamed greedy requests sent at once (no warm-up: meant as the first burst an app
+    sees), each with its own trace; per request, in send order, its segments (ms, as :func:`segments`) plus
+    ``e2el`` (client: sent → last chunk). ``prompts``: token ids per request (completions), else a short chat.
+    A request whose spans do not arrive within ``wait_s`` gets only ``ttft`` and ``e2el``."""
+    import httpx
+
+    body = {"model": model, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(base_url=base.rstrip("/") + "/", timeout=300) as client:
+            calls = []
+            for i in range(concurrency):
+                if prompts is None:
+                    path, b = "v1/chat/completions", {**body, "messages": [{"role": "user", "content": "Hi"}]}
+                else:
+                    path, b = "v1/completions", {**body, "prompt": list(prompts[i % len(prompts)])}
+                calls.append(_one_request(client, path, b, lane))
+            return list(await asyncio.gather(*calls))
+
+    records = sorted(asyncio.run(run()), key=lambda r: r["sent"])
+    deadline = time.monotonic() + wait_s
+    rows = []
+    for record in records:
+        row = None
+        while row is None and time.monotonic() < deadline:
+            row = segments(record, [s for s in receiver.spans() if s.trace_id == record["trace_id"]])
+            if row is None:
+                time.sleep(0.05)
+        row = {k: round(v * 1e3, 3) for k, v in (row or {}).items()}
+        if record["chunks"]:
+            row.setdefault("ttft", round((record["chunks"][0] - record["sent"]) / 1e6, 3))
+            row["e2el"] = round((record["chunks"][-1] - record["sent"]) / 1e6, 3)
+        row["sent_after_first"] = round((record["sent"] - records[0]["sent"]) / 1e6, 3)
+        row["lane"] = record["lane"]
+        rows.append(row)
+    return rows
+
+
 def _ray_processes() -> dict[int, str]:
     """``pid -> role`` of this machine's Ray worker processes that serve requests (their process title,
     ``ray::ServeReplica:<app>:<deployment>``, ``ray::ProxyActor``, ``ray::EngineActor``, shortened)."""
@@ -242,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=200, help="calls per hop measurement (0: skip them)")
     p.add_argument("--breakdown", type=int, default=0, help="streamed requests per lane for the TTFT breakdown")
+    p.add_argument("--burst", type=int, default=0, metavar="C",
+                   help="first, C concurrent streamed requests (standard lane) and each one's segments")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per breakdown request")
     p.add_argument("--cpu-per-token", type=int, default=0, metavar="C",
                    help="also measure each process's CPU time per output token at concurrency C (standard lane)")
@@ -264,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     receiver = OTLPReceiver().start()
     app_args = {"progress": False, **({"model": args.model} if args.model else {}), **json.loads(args.app_args)}
-    if args.breakdown:
+    if args.breakdown or args.burst:
         app_args.update(tracing_exporter="otlp", tracing_endpoint=receiver.endpoint, tracing_protocol="http/protobuf",
                         tracing_schedule_delay_ms=50)
     serve.run(build_app(app_args), name="bench", route_prefix="/")
@@ -296,6 +338,10 @@ def main(argv: list[str] | None = None) -> None:
                 out["http_1_token"].append(time.perf_counter() - t)
         return out
 
+    if args.burst:
+        print(f"\nFirst burst: {args.burst} concurrent streamed requests, {args.max_tokens} tokens (ms)")
+        for row in burst(base, receiver, model, args.burst, args.max_tokens):
+            print("  " + json.dumps(row))
     if args.iters:
         results = asyncio.run(run())
         print(f"\nRay hop latency ({args.iters} iterations, local cluster)")

@@ -293,10 +293,31 @@ def ttft_breakdown(recipe: Recipe, base: str, model: str, served: str, vocab: in
     return out
 
 
+BURST = 8
+"""Concurrent requests of :func:`first_burst` (the serve bench's c=8 run was the first burst of the earlier
+H200 runs, and the one that waited about 1.6 s more than engine-direct)."""
+
+
+def first_burst(recipe: Recipe, base: str, model: str, served: str, vocab: int) -> list[dict]:
+    """The first :data:`BURST` concurrent requests the app sees (before the serve bench; only the openai
+    smoke ran before): standard lane, the bench's prompt length, 128 tokens; each request's TTFT segments
+    from its trace (:func:`ops.bench.hops.burst`), in send order."""
+    from ops.bench.hops import burst
+
+    prompts = None
+    if model != "smollm2":
+        prompts = [p for p in run_prompts("first burst", BURST, prompt_len(recipe.args, model), vocab)[0]]
+    rows = burst(base, recipe.receiver, served, BURST, 128, prompts=prompts)
+    for row in rows:
+        log(f"  first burst: {json.dumps(row)}")
+    return rows
+
+
 def throughput_optimized(recipe: Recipe) -> dict | None:
     """SmolLM2 again on a fresh cluster with Ray Serve's ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` (user code on
-    the replica's own event loop, no separate router loop, gRPC between deployments, direct ingress: no
-    proxy actor; Ray's own settings, read by each Ray process at start): its serve bench and TTFT breakdown,
+    the replica's own event loop, no separate router loop, gRPC between deployments, direct ingress: the
+    ingress replica serves HTTP on its own port, which the client then uses, :func:`direct_ingress_base`;
+    Ray's own settings, read by each Ray process at start): its serve bench and TTFT breakdown,
     with the engine-direct numbers of the first SmolLM2 run, as the model ``smollm2 (throughput-optimized)``."""
     import ray
     from ray import serve
@@ -315,7 +336,10 @@ def throughput_optimized(recipe: Recipe) -> dict | None:
     base, startup = recipe.deploy("smollm2", args)
     res["startup_s"] = round(startup, 1)
     res["proxy_actors"] = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                                 if "PROXY" in a["name"])  # none with direct ingress
+                                 if "PROXY" in a["name"])
+    direct = direct_ingress_base(base)
+    res["client_base"] = direct or base  # the ingress replica's own port when it answers, else the proxy's
+    base = direct or base
     res["serve"] = recipe.guarded("smollm2 (throughput-optimized): serve bench", serve_bench, recipe, base, "smollm2",
                                   facts["served"], vocab)
     res["breakdown"] = recipe.guarded("smollm2 (throughput-optimized): TTFT breakdown", ttft_breakdown, recipe, base,
@@ -325,6 +349,24 @@ def throughput_optimized(recipe: Recipe) -> dict | None:
         res["engine"] = first["engine"]
     res["table"] = overhead_rows(res)
     return res
+
+
+def direct_ingress_base(base: str, ports: range = range(30000, 30010)) -> str | None:
+    """The URL of the ingress replica's own HTTP server under Ray's direct ingress (ports from
+    ``RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT``, 30000; with or without the app's route prefix), found by
+    ``GET /health``; None when none answers 200 (the client then goes through the proxy at ``base``)."""
+    import httpx
+
+    prefix = "/" + base.split("://", 1)[1].split("/", 1)[1] if base.count("/") > 2 else ""
+    for port in ports:
+        for path in (prefix, ""):
+            url = f"http://127.0.0.1:{port}{path}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                continue
+    return None
 
 
 def engine_bench(recipe: Recipe, model: str, facts: dict, vocab: int) -> dict:
@@ -412,6 +454,7 @@ def run_model(recipe: Recipe, model: str) -> None:
                        if isinstance(v, dict) and "engines" in v}
     served = facts["served"]
     res["openai"] = recipe.guarded(f"{model}: openai", openai_smoke, base, served, model == "smollm2")
+    res["burst"] = recipe.guarded(f"{model}: first burst", first_burst, recipe, base, model, served, vocab)
     res["serve"] = recipe.guarded(f"{model}: serve bench", serve_bench, recipe, base, model, served, vocab)
     res["breakdown"] = recipe.guarded(f"{model}: TTFT breakdown", ttft_breakdown, recipe, base, model, served, vocab)
     if model == "smollm2" and recipe.fits("gsm8k"):
@@ -535,7 +578,8 @@ def report(results: dict) -> str:
     for model, res in results["models"].items():
         lines += [f"### {model}", "", f"App: `{json.dumps(res.get('app', {}), sort_keys=True)}`; up (``/health`` "
                   f"200) in {res.get('startup_s')} s; openai client: {res.get('openai')}"
-                  + (f"; Ray env {res['ray_env']}, proxy actors {res.get('proxy_actors')}" if res.get("ray_env") else ""),
+                  + (f"; Ray env {res['ray_env']}, proxy actors {res.get('proxy_actors')}, client at {res.get('client_base')}"
+                     if res.get("ray_env") else ""),
                   ""]
         if res.get("table"):
             lines += ["| run | TTFT serve / engine (ms) | TPOT serve / engine | ITL serve / engine | "
@@ -570,6 +614,15 @@ def report(results: dict) -> str:
             for key, row in res["breakdown"].items():
                 if key.startswith("cpu_per_token"):
                     lines.append(f"- CPU ms per output token, standard lane {key.split()[-1]}: {json.dumps(row)}")
+            lines.append("")
+        if res.get("burst"):
+            from ops.bench.hops import SEGMENTS
+
+            keys = ["sent_after_first", *SEGMENTS, "ttft", "e2el"]
+            lines += [f"The first burst ({BURST} concurrent requests, standard lane, each from its trace; ms):", "",
+                      "| request | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+            for i, row in enumerate(res["burst"]):
+                lines.append(f"| {i} | " + " | ".join(str(row.get(k, "-")) for k in keys) + " |")
             lines.append("")
         if res.get("gsm8k"):
             g = res["gsm8k"]

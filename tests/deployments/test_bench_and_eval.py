@@ -82,6 +82,22 @@ def test_ttft_breakdown_reads_each_hop_from_the_requests_own_traces(server, otlp
     assert out["persistent"]["per_chunk_back"] > 0  # 4 tokens: one chunk from the prefill, one quantum
     ids = breakdown(server, otlp, model, 2, 4, lanes=("standard",), prompt_token_ids=[1, 2, 3, 4, 5])
     assert ids["standard"]["requests"] == 2 and ids["standard"]["engine"] > 0
+    # the ingress segment, split at the handler's marks on the HTTP span
+    parts = ("ingress_body", "ingress_plan", "ingress_route")
+    assert all(ids["standard"][k] >= 0 for k in parts), ids
+    assert abs(sum(ids["standard"][k] for k in parts) - ids["standard"]["ingress"]) <= 0.5 * ids["standard"]["ingress"]
+
+
+def test_burst_gives_each_concurrent_request_its_own_segments(server, otlp):
+    """``ops.bench.hops.burst``: 3 requests at once, each read from its own trace, in send order."""
+    from ops.bench.hops import SEGMENTS, burst
+
+    rows = burst(server, otlp, "smollm2-135m-instruct", 3, 4, prompts=[[1, 2, 3, 4, 5], [6, 7, 8], [9, 10]])
+    assert len(rows) == 3 and [r["lane"] for r in rows] == ["standard"] * 3
+    assert rows[0]["sent_after_first"] == 0 and all(r["sent_after_first"] >= 0 for r in rows)
+    for row in rows:
+        assert all(row[k] > 0 for k in SEGMENTS), row
+        assert 0 < row["ttft"] <= row["e2el"], row
 
 
 def test_cpu_per_token_names_each_serving_process_and_counts_every_token(server):
