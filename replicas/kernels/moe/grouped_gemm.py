@@ -86,8 +86,9 @@ ACC_SCALE = tl.constexpr(18446744073709551616.0)
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One launch's tile shape: ``BLOCK_M`` sorted pairs x ``BLOCK_N`` output columns, ``BLOCK_K`` inputs per
-    step (a multiple of 32, one E8M0 scale per 32), ``num_warps``, ``num_stages`` (software pipelining)."""
+    """One launch's tile shape: ``BLOCK_M`` sorted pairs x ``BLOCK_N`` output columns (weight rows),
+    ``BLOCK_K`` inputs per step (a multiple of 128: eight dots of ``BLOCK_K / 8`` inputs, each at least
+    16), ``num_warps``, ``num_stages`` (software pipelining)."""
 
     block_m: int
     block_n: int
@@ -109,6 +110,7 @@ of at least 16 inputs each). From the H200 sweep of ``python -m ops.bench.prefil
 
 TILE_OVERRIDES: dict[int, TileConfig] = {}
 """Benchmark-only replacements of :data:`TILES` entries (``ops/bench/prefill.py`` sweeps a few)."""
+
 
 def pick_block_m(num_pairs: int, num_experts: int) -> int:
     """``BLOCK_M``: a power of two (16..128: ``tl.dot`` needs 16, past 128 the tile no longer fits the
