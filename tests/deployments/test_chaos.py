@@ -77,7 +77,11 @@ def chaos():
 # ---- helpers -------------------------------------------------------------------------------------
 
 def _stats(base: str) -> dict:
-    return httpx.get(f"{base}/debug/stats", timeout=30).json()
+    """``/debug/stats``; an error status raises ``httpx.HTTPStatusError`` (which :func:`_wait` retries: while a
+    node's replicas are rescheduled Serve's proxy may answer 5xx with a body that is not JSON)."""
+    r = httpx.get(f"{base}/debug/stats", timeout=30)
+    r.raise_for_status()
+    return r.json()
 
 
 def _engines(base: str, lane: str) -> list[dict]:
