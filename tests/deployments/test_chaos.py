@@ -105,14 +105,15 @@ def _replica_of(engine_pid: int) -> dict:
 
 def _wait(predicate, timeout: float, what: str, period: float = 0.5):
     deadline = time.monotonic() + timeout
+    last_error = None
     while True:
         try:
             value = predicate()
-        except httpx.HTTPError:
-            value = None
+        except httpx.HTTPError as exc:
+            value, last_error = None, exc
         if value:
             return value
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what} (last: {last_error!r})"
         time.sleep(period)
 
 
