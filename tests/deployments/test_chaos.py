@@ -53,7 +53,9 @@ def chaos():
         cluster.add_node(num_cpus=2, num_gpus=1)
     ray.init(address=cluster.address, log_to_driver=False)
     port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # proxy on the head only: every node of this one-machine cluster would bind the same port (SO_REUSEPORT),
+    # so the client's connections would land on worker nodes' proxies and die with the node under test 5
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     start = time.monotonic()
     serve.run(build_app({
         "device": "cpu", "max_model_len": 512, "num_kv_blocks": 160, "progress": False, "engine_num_cpus": 0.25,
