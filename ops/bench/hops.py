@@ -124,6 +124,16 @@ def segments(record: dict, spans: list) -> dict[str, float] | None:
     return out
 
 
+def _traced_segments(receiver, record: dict, deadline: float) -> dict[str, float] | None:
+    """:func:`segments` of ``record`` once its spans have reached ``receiver`` (the generation span ends
+    last, after the stream), polled until ``deadline`` (``time.monotonic()``); None if they did not."""
+    while True:
+        row = segments(record, [s for s in receiver.spans() if s.trace_id == record["trace_id"]])
+        if row is not None or time.monotonic() > deadline:
+            return row
+        time.sleep(0.05)
+
+
 def breakdown(base: str, receiver, model: str, n: int, max_tokens: int, lanes=LANES,
               prompt_token_ids: list[int] | None = None) -> dict[str, dict]:
     """``n`` streamed greedy requests per lane, one at a time (after 2 warm-ups); the median of each
@@ -152,13 +162,7 @@ def breakdown(base: str, receiver, model: str, n: int, max_tokens: int, lanes=LA
         records = asyncio.run(run(lane, n))
         rows = []
         for record in records:
-            deadline = time.monotonic() + 20
-            while True:  # the generation span ends last (after the stream), so wait for it
-                spans = [s for s in receiver.spans() if s.trace_id == record["trace_id"]]
-                row = segments(record, spans)
-                if row is not None or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
+            row = _traced_segments(receiver, record, time.monotonic() + 20)
             if row is not None:
                 rows.append(row)
         optional = [k for k in INGRESS_PARTS + ("per_chunk_back",) if any(k in r for r in rows)]
@@ -193,12 +197,7 @@ def burst(base: str, receiver, model: str, concurrency: int, max_tokens: int, la
     deadline = time.monotonic() + wait_s
     rows = []
     for record in records:
-        row = None
-        while row is None and time.monotonic() < deadline:
-            row = segments(record, [s for s in receiver.spans() if s.trace_id == record["trace_id"]])
-            if row is None:
-                time.sleep(0.05)
-        row = {k: round(v * 1e3, 3) for k, v in (row or {}).items()}
+        row = {k: round(v * 1e3, 3) for k, v in (_traced_segments(receiver, record, deadline) or {}).items()}
         if record["chunks"]:
             row.setdefault("ttft", round((record["chunks"][0] - record["sent"]) / 1e6, 3))
             row["e2el"] = round((record["chunks"][-1] - record["sent"]) / 1e6, 3)

@@ -306,7 +306,7 @@ def first_burst(recipe: Recipe, base: str, model: str, served: str, vocab: int) 
 
     prompts = None
     if model != "smollm2":
-        prompts = [p for p in run_prompts("first burst", BURST, prompt_len(recipe.args, model), vocab)[0]]
+        prompts = run_prompts("first burst", BURST, prompt_len(recipe.args, model), vocab)[0]
     rows = burst(base, recipe.receiver, served, BURST, 128, prompts=prompts)
     for row in rows:
         log(f"  first burst: {json.dumps(row)}")
@@ -355,9 +355,11 @@ def direct_ingress_base(base: str, ports: range = range(30000, 30010)) -> str | 
     """The URL of the ingress replica's own HTTP server under Ray's direct ingress (ports from
     ``RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT``, 30000; with or without the app's route prefix), found by
     ``GET /health``; None when none answers 200 (the client then goes through the proxy at ``base``)."""
+    from urllib.parse import urlsplit
+
     import httpx
 
-    prefix = "/" + base.split("://", 1)[1].split("/", 1)[1] if base.count("/") > 2 else ""
+    prefix = urlsplit(base).path.rstrip("/")
     for port in ports:
         for path in (prefix, ""):
             url = f"http://127.0.0.1:{port}{path}"

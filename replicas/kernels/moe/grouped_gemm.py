@@ -126,7 +126,10 @@ def token_counts_per_block_m(num_experts: int, top_k: int, min_tokens: int, max_
     compiled kernel: a warm-up that runs these counts compiles every one before serving."""
     out: dict[int, int] = {}
     for t in range(max(1, min_tokens), max_tokens + 1):
-        out.setdefault(pick_block_m(t * top_k, num_experts), t)
+        block_m = pick_block_m(t * top_k, num_experts)
+        out.setdefault(block_m, t)
+        if block_m == max(TILES):  # heights only grow with t
+            break
     return out
 
 
@@ -359,9 +362,9 @@ def _permuted_column(c, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(x_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr,
-                             b_ptr, h_ptr, alpha, limit, stride_x, stride_h, N, E, TOP_K: tl.constexpr,
-                             KDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, REPACKED: tl.constexpr, PRECISION: tl.constexpr):
+                    b_ptr, h_ptr, alpha, limit, stride_x, stride_h, N, E, TOP_K: tl.constexpr,
+                    KDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, REPACKED: tl.constexpr, PRECISION: tl.constexpr):
     """Grid ``(max_blocks, cdiv(2I, BLOCK_N))``: ``h[rows, cols] = swiglu(x[token(rows)] W^T + b)``, ``N = 2I``,
     weights on the left (:func:`_per_code_mainloop`); ``x`` and ``h`` in the permuted layout."""
     pid_m = tl.program_id(0)
@@ -393,9 +396,9 @@ def _gate_up_kernel(x_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_st
 
 @triton.jit
 def _down_kernel(h_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr, b_ptr,
-                          rw_ptr, y_ptr, stride_h, N, E, KDIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REPACKED: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                 rw_ptr, y_ptr, stride_h, N, E, KDIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REPACKED: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """Grid ``(max_blocks, cdiv(hidden, BLOCK_N))``: ``y[pair] = (h[rows] W^T + b) * route_weight[pair]`` fp32,
     ``N = hidden``, ``KDIM = I``, weights on the left; ``h`` in the permuted layout."""
     pid_m = tl.program_id(0)

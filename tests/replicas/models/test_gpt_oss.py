@@ -429,3 +429,20 @@ def test_fused_qkv_is_a_view_of_the_projections(gpt_core):
     x = torch.randn(3, gpt_core.model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     ref = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
     torch.testing.assert_close(attn.qkv_proj(x), ref)
+
+
+def test_warm_up_runs_a_prompt_per_grouped_gemm_height(gpt_core):
+    """GPT-OSS gives ``LLMEngine.warm_up`` the smallest prompt length past the decode kernels' 16 tokens that
+    reaches each M-block height of its grouped MoE GEMMs (each height its own compiled kernel), and the warm-up
+    runs them."""
+    from replicas.kernels.moe import DECODE_MAX_TOKENS
+    from replicas.kernels.moe.grouped_gemm import pick_block_m
+
+    cfg = gpt_core.model.config
+    lengths = gpt_core.model.warm_up_prompt_lengths(400)
+    height = {t: pick_block_m(t * cfg.experts_per_token, cfg.num_experts) for t in range(DECODE_MAX_TOKENS + 1, 401)}
+    assert [height[t] for t in lengths] == sorted(set(height.values())) == [16, 32, 64, 128]
+    for t in lengths:  # the smallest length of its height
+        assert t == DECODE_MAX_TOKENS + 1 or height[t - 1] != height[t]
+    done = LLMEngine(gpt_core).warm_up(lengths=(16,), batch=2, batch_len=8, new_tokens=1)
+    assert done["prompts"] == 1 + len(lengths) + 2
