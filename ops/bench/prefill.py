@@ -444,11 +444,29 @@ def _matmul_ogs(tk_dir: str | None):
         )
         from triton_kernels.matmul_ogs_details import opt_flags
         from triton_kernels.numerics import InFlexData
-        from triton_kernels.routing import routing
         from triton_kernels.tensor import FP4, convert_layout, wrap_torch_tensor
         from triton_kernels.tensor_details import layout
     except Exception as exc:  # noqa: BLE001
         return f"not run: import failed ({type(exc).__name__}: {exc})"
+    try:  # the copies up to mid-2025 (vLLM <= 0.11) route with triton_kernels.routing
+        from triton_kernels.routing import routing
+
+        act = FusedActivation(FnSpecs("swiglu", triton_kernels.swiglu.swiglu_fn, ("alpha", "limit")), (1.702, 7.0), 2)
+    except ImportError:  # later copies (vLLM 0.19): top-k to a sparse matrix, then ragged metadata
+        from triton_kernels.matmul_ogs import GatherIndx, RoutingData, ScatterIndx
+        from triton_kernels.tensor import make_ragged_tensor_metadata
+        from triton_kernels.topk import topk
+
+        def routing(logits, k, sm_first=False):
+            sparse = topk(logits, k, apply_softmax=not sm_first)
+            dispatch = sparse.mask_metadata.row_sorted_indx
+            combine = sparse.mask_metadata.col_sorted_indx
+            ragged = make_ragged_tensor_metadata(sparse.mask_metadata.col_sum, dispatch.shape[0])
+            rdata = RoutingData(sparse.vals.flatten()[combine], ragged.block_sizes, logits.shape[-1], k, ragged)
+            return rdata, GatherIndx(combine, dispatch), ScatterIndx(dispatch, combine)
+
+        act = FusedActivation(FnSpecs("swiglu", triton_kernels.swiglu.swiglu_fn, ("alpha", "limit"), reduction_n=2),
+                              (1.702, 7.0))
 
     if torch.cuda.get_device_capability()[0] == 9:
         opt_flags.update_opt_flags_constraints({"split_k": 1})
@@ -469,8 +487,6 @@ def _matmul_ogs(tk_dir: str | None):
         w1, pc1 = swizzle(ex.gate_up_proj_blocks, ex.gate_up_proj_scales)
         w2, pc2 = swizzle(ex.down_proj_blocks, ex.down_proj_scales)
         return w1, pc1, ex.gate_up_proj_bias.float(), w2, pc2, ex.down_proj_bias.float()
-
-    act = FusedActivation(FnSpecs("swiglu", triton_kernels.swiglu.swiglu_fn, ("alpha", "limit")), (1.702, 7.0), 2)
 
     def run(x, logits, w, k=4):
         w1, pc1, b1, w2, pc2, b2 = w
@@ -840,10 +856,10 @@ def _sweep_one(core, c: int, args, steps: list) -> list:
 
 
 MOE_TILES = {  # tokens -> (block_n, block_k, num_warps, num_stages) tried (120b: 128 experts, top 4)
-    64: [(128, 256, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 3)],
-    128: [(128, 256, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3)],
-    1024: [(128, 128, 4, 3), (64, 128, 4, 3), (128, 256, 4, 3), (128, 128, 4, 4), (256, 128, 8, 4)],
-    8192: [(256, 128, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3)],
+    64: [(128, 64, 4, 4), (64, 64, 4, 4), (128, 128, 4, 3)],
+    128: [(128, 64, 4, 4), (64, 64, 4, 4), (128, 128, 4, 4)],
+    1024: [(128, 64, 4, 4), (128, 64, 8, 4), (64, 64, 4, 4), (128, 128, 4, 4)],
+    8192: [(128, 64, 4, 4), (128, 64, 8, 4), (128, 64, 4, 5)],
 }
 
 ATTN_TILES = [(128, 64, 4, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]

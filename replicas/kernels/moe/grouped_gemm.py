@@ -44,14 +44,17 @@ power of two; an MXFP4 value has two significand bits) for every scale code
 The tensor cores (``tl.dot``; every dimension at least 16) multiply bf16 (or,
 for fp32 models, IEEE fp32) operands with fp32 accumulation.
 
-The decoded weights are the *left* operand and are never put back into element
-order: each K step of ``BLOCK_K`` inputs is eight dots of ``BLOCK_K / 8``
-inputs, one per code position ``c`` of the step's words, each against the
-activations of inputs ``k0 + 8 w + c``. The activations are stored permuted
-within each ``BLOCK_K`` chunk (:func:`permute_activations`; gate_up writes ``h``
-so) so that those are contiguous. The earlier kernels joined the eight codes
-into element order and put the weights on the right; on the H200 these are
-faster at 1,024 tokens and at 8,192 for 120b (``docs/benchmarks.md``).
+Each K step of ``BLOCK_K`` inputs decodes one ``[BLOCK_N, BLOCK_K]`` weight tile
+in registers, in element order (the eight codes of each word joined), and makes
+it the *left* operand of a single ``tl.dot`` against ``[BLOCK_K, BLOCK_M]``
+activations (on Hopper a wgmma takes its left operand from registers; the
+activations go through shared memory by ``cp.async``, pipelined, and each step's
+MMA overlaps the next step's decode). For bf16 on the GPU with the decode layout,
+each code pair is scaled by one ``mul.rn.bf16x2`` on its bf16x2 pattern (the
+factor ``2**(s - 65)`` is a normal bf16, so the same exactness holds) instead of
+two fp32 widenings, two multiplies and a rounding. Earlier variants (eight dots
+per K step against activations permuted per chunk, each dot waited for; weights
+on the right) and what they measured are in ``docs/benchmarks.md``.
 
 Reference: :func:`replicas.kernels.moe.moe_reference` (each routed expert
 dequantized, dense GEMMs, the same math as transformers' ``GptOssExperts``).
@@ -87,8 +90,8 @@ ACC_SCALE = tl.constexpr(18446744073709551616.0)
 @dataclass(frozen=True)
 class TileConfig:
     """One launch's tile shape: ``BLOCK_M`` sorted pairs x ``BLOCK_N`` output columns (weight rows),
-    ``BLOCK_K`` inputs per step (a multiple of 128: eight dots of ``BLOCK_K / 8`` inputs, each at least
-    16), ``num_warps``, ``num_stages`` (software pipelining)."""
+    ``BLOCK_K`` inputs per step (a power of two, at least 32), ``num_warps``, ``num_stages`` (software
+    pipelining)."""
 
     block_m: int
     block_n: int
@@ -97,16 +100,12 @@ class TileConfig:
     num_stages: int = 3
 
 
-TILES = {
-    16: TileConfig(16, 128, 256, 4, 3),
-    32: TileConfig(32, 128, 256, 4, 3),
-    64: TileConfig(64, 128, 128, 4, 3),
-    128: TileConfig(128, 256, 128, 8, 3),
-}
+TILES = {m: TileConfig(m, 128, 64, 4, 4) for m in (16, 32, 64, 128)}
 """Tile shape per ``BLOCK_M`` (chosen by :func:`pick_block_m` from the pairs per expert): ``BLOCK_M`` pairs
-per program, ``block_n`` weight rows per program (the left operand), ``block_k`` a multiple of 128 (eight dots
-of at least 16 inputs each). From the H200 sweep of ``python -m ops.bench.prefill --parts tiles``
-(``docs/benchmarks.md``)."""
+per program, ``block_n`` weight rows per program (the left operand), ``block_k`` inputs per K step (a power of
+two, at least 32: one scale group), four pipeline stages. One shape for every height and both kernels: in the
+H200 sweep (``docs/benchmarks.md``, "Grouped GEMM: one dot per K step") it was within 5% of the best tile of
+each kernel at 64 to 8,192 tokens, and wider K steps spill registers at ``BLOCK_M`` 64 and 128."""
 
 TILE_OVERRIDES: dict[int, TileConfig] = {}
 """Benchmark-only replacements of :data:`TILES` entries (``ops/bench/prefill.py`` sweeps a few)."""
@@ -320,53 +319,81 @@ def _codes(w, REPACKED: tl.constexpr):
 
 
 @triton.jit
-def _per_code_mainloop(acc, a_ptr, a_row, a_ok, w_ptr, s_ptr, e, n, n_ok, N, KDIM: tl.constexpr,
-                       BLOCK_K: tl.constexpr, REPACKED: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc [BLOCK_N, BLOCK_M] += W[e][n, :] @ A[rows, :]^T`` with the weights as the left operand, decoded
-    in registers and never joined: each K step of ``BLOCK_K`` inputs is eight dots of ``BLOCK_K / 8``, one
-    per code position ``c`` of the words, against the activations of inputs ``k0 + 8 w + c``, which the
-    :func:`permute_activations` layout stores contiguously at ``k0 + c * BLOCK_K / 8 + w``.
-
-    ``a_row`` ``[BLOCK_M]`` int64 element offsets of the activation rows (permuted layout, width a multiple
-    of ``BLOCK_K``, zero past ``KDIM``), ``a_ok`` their mask."""
-    WORDS: tl.constexpr = BLOCK_K // 8
-    GROUPS: tl.constexpr = KDIM // 32
-    word = tl.arange(0, WORDS)
-    row = e.to(tl.int64) * N + n  # [BLOCK_N]
-    dt = a_ptr.dtype.element_ty
-    for k0 in range(0, KDIM, BLOCK_K):
-        kw = k0 // 8 + word  # [WORDS] word index along the row
-        ok = n_ok[:, None] & ((kw * 8) < KDIM)[None, :]
-        wd = tl.load(w_ptr + row[:, None] * (KDIM // 8) + kw[None, :], mask=ok, other=0)
-        s = tl.load(s_ptr + row[:, None] * GROUPS + (kw // 4)[None, :], mask=ok, other=127)
-        f = ((s.to(tl.int32) + (127 - 65)) << 23).to(tl.float32, bitcast=True)  # 2**(s - 65)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _codes(wd.to(tl.uint32, bitcast=True), REPACKED)
-        ap = a_ptr + a_row[None, :] + (k0 + word)[:, None]  # [WORDS, BLOCK_M], code 0's inputs
-        m = a_ok[None, :]
-        acc = tl.dot((c0 * f).to(dt), tl.load(ap, mask=m, other=0.0), acc, input_precision=PRECISION)
-        acc = tl.dot((c1 * f).to(dt), tl.load(ap + WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
-        acc = tl.dot((c2 * f).to(dt), tl.load(ap + 2 * WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
-        acc = tl.dot((c3 * f).to(dt), tl.load(ap + 3 * WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
-        acc = tl.dot((c4 * f).to(dt), tl.load(ap + 4 * WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
-        acc = tl.dot((c5 * f).to(dt), tl.load(ap + 5 * WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
-        acc = tl.dot((c6 * f).to(dt), tl.load(ap + 6 * WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
-        acc = tl.dot((c7 * f).to(dt), tl.load(ap + 7 * WORDS, mask=m, other=0.0), acc, input_precision=PRECISION)
-    return acc
+def _scaled_pair_bf16(pair, scale2):
+    """bf16x2 code-pair patterns (uint32, each half the E2M1 value x 2**-126) times ``scale2`` (uint32, a bf16
+    power of two in both halves) with one ``mul.rn.bf16x2`` (PTX ISA, half-precision arithmetic) → (low code,
+    high code) bf16. Exact for the scale range of the module docstring; GPU only (the interpreter cannot run
+    inline PTX)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; mul.rn.bf16x2 t, $2, $3; mov.b32 {$0, $1}, t; }",
+        "=h,=h,r,r", [pair, scale2], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
 
 
 @triton.jit
-def _permuted_column(c, BLOCK_K: tl.constexpr):
-    """Input column ``c`` → its place in the :func:`permute_activations` layout."""
-    return (c // BLOCK_K) * BLOCK_K + (c % 8) * (BLOCK_K // 8) + (c % BLOCK_K) // 8
+def _weight_tile(w_ptr, s_ptr, row, n_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, REPACKED: tl.constexpr, BF16X2: tl.constexpr, dt: tl.constexpr):
+    """Weight rows ``row`` ``[BLOCK_N]`` (int64, ``expert * N + n``), inputs ``k0 .. k0 + BLOCK_K`` decoded to
+    ``[BLOCK_N, BLOCK_K]`` in ``dt``, element order, times ``2**-64`` (the module docstring). ``BF16X2``
+    (decode layout, bf16, GPU): each code pair scaled by one bf16x2 multiply; else each code widened to fp32,
+    scaled, rounded. The scales are loaded once per 32 inputs and broadcast to the 4 words they cover."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    G: tl.constexpr = BLOCK_K // 32
+    GROUPS: tl.constexpr = KDIM // 32
+    kw = k0 // 8 + tl.arange(0, WORDS)
+    ok = n_ok[:, None] & ((kw * 8) < KDIM)[None, :]
+    wd = tl.load(w_ptr + row[:, None] * (KDIM // 8) + kw[None, :], mask=ok, other=0).to(tl.uint32, bitcast=True)
+    kg = k0 // 32 + tl.arange(0, G)
+    sg = tl.load(s_ptr + row[:, None] * GROUPS + kg[None, :], mask=n_ok[:, None] & (kg < GROUPS)[None, :],
+                 other=127)
+    if BF16X2:
+        half = (sg.to(tl.uint32) + (127 - 65)) << 7  # bf16 2**(s - 65)
+        f2 = tl.reshape(tl.broadcast_to((half | (half << 16))[:, :, None], [BLOCK_N, G, 4]), [BLOCK_N, WORDS])
+        v = wd & _PAIR3_MASK
+        c0, c4 = _scaled_pair_bf16(wd & _PAIR_MASK, f2)
+        c1, c5 = _scaled_pair_bf16((wd << _SHIFT1) & _PAIR_MASK, f2)
+        c2, c6 = _scaled_pair_bf16((wd << _SHIFT2) & _PAIR_MASK, f2)
+        c3, c7 = _scaled_pair_bf16(((v >> _MAG3_A) | (v >> _MAG3_B) | (v << _SIGN3)) & _PAIR_MASK, f2)
+    else:
+        fg = ((sg.to(tl.int32) + (127 - 65)) << 23).to(tl.float32, bitcast=True)  # 2**(s - 65)
+        f = tl.reshape(tl.broadcast_to(fg[:, :, None], [BLOCK_N, G, 4]), [BLOCK_N, WORDS])
+        d0, d1, d2, d3, d4, d5, d6, d7 = _codes(wd, REPACKED)
+        c0, c1, c2, c3 = (d0 * f).to(dt), (d1 * f).to(dt), (d2 * f).to(dt), (d3 * f).to(dt)
+        c4, c5, c6, c7 = (d4 * f).to(dt), (d5 * f).to(dt), (d6 * f).to(dt), (d7 * f).to(dt)
+    # element 8 w + c: the last three joined axes are bits 2, 1, 0 of c
+    tile = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    return tl.reshape(tile, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _mainloop(acc, a_ptr, a_row, a_ok, w_ptr, s_ptr, e, n, n_ok, N, KDIM: tl.constexpr, BLOCK_K: tl.constexpr,
+              REPACKED: tl.constexpr, BF16X2: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_M] += W[e][n, :] @ A[rows, :]^T``: per K step one weight tile decoded in registers
+    (:func:`_weight_tile`) as the *left* operand of one ``tl.dot`` (on Hopper a wgmma reads it from registers)
+    against ``[BLOCK_K, BLOCK_M]`` activations, which the compiler stages through shared memory with
+    ``cp.async`` and overlaps with the previous step's MMA.
+
+    ``a_row`` ``[BLOCK_M]`` int64 element offsets of the activation rows (row width ``KDIM``), ``a_ok`` their
+    mask."""
+    row = e.to(tl.int64) * N + n
+    dt: tl.constexpr = a_ptr.dtype.element_ty
+    BLOCK_N: tl.constexpr = acc.shape[0]
+    kk = tl.arange(0, BLOCK_K)
+    for k0 in range(0, KDIM, BLOCK_K):
+        w = _weight_tile(w_ptr, s_ptr, row, n_ok, k0, KDIM, BLOCK_K, BLOCK_N, REPACKED, BF16X2, dt)
+        k = k0 + kk
+        a = tl.load(a_ptr + a_row[None, :] + k[:, None], mask=a_ok[None, :] & (k < KDIM)[:, None], other=0.0)
+        acc = tl.dot(w, a, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr,
                     b_ptr, h_ptr, alpha, limit, stride_x, stride_h, N, E, TOP_K: tl.constexpr,
                     KDIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, REPACKED: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_K: tl.constexpr, REPACKED: tl.constexpr, BF16X2: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """Grid ``(max_blocks, cdiv(2I, BLOCK_N))``: ``h[rows, cols] = swiglu(x[token(rows)] W^T + b)``, ``N = 2I``,
-    weights on the left (:func:`_per_code_mainloop`); ``x`` and ``h`` in the permuted layout."""
+    weights on the left (:func:`_mainloop`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -381,26 +408,25 @@ def _gate_up_kernel(x_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_st
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc = _per_code_mainloop(acc, x_ptr, tok * stride_x, r_ok, w_ptr, s_ptr, e, n, n_ok, N, KDIM, BLOCK_K,
-                             REPACKED, PRECISION)
+    acc = _mainloop(acc, x_ptr, tok * stride_x, r_ok, w_ptr, s_ptr, e, n, n_ok, N, KDIM, BLOCK_K, REPACKED, BF16X2,
+                    PRECISION)
     acc = acc * ACC_SCALE + tl.load(b_ptr + e.to(tl.int64) * N + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     gate, up = tl.split(tl.reshape(tl.trans(acc), [BLOCK_M, BLOCK_N // 2, 2]))
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
     cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    pos = _permuted_column(cols, BLOCK_K)
-    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_h + pos[None, :], h.to(h_ptr.dtype.element_ty),
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty),
              mask=r_ok[:, None] & (cols < N // 2)[None, :])
 
 
 @triton.jit
 def _down_kernel(h_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start_ptr, w_ptr, s_ptr, b_ptr,
                  rw_ptr, y_ptr, stride_h, N, E, KDIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REPACKED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REPACKED: tl.constexpr, BF16X2: tl.constexpr,
                  PRECISION: tl.constexpr):
     """Grid ``(max_blocks, cdiv(hidden, BLOCK_N))``: ``y[pair] = (h[rows] W^T + b) * route_weight[pair]`` fp32,
-    ``N = hidden``, ``KDIM = I``, weights on the left; ``h`` in the permuted layout."""
+    ``N = hidden``, ``KDIM = I``, weights on the left."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -414,22 +440,11 @@ def _down_kernel(h_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_start
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc = _per_code_mainloop(acc, h_ptr, rows.to(tl.int64) * stride_h, r_ok, w_ptr, s_ptr, e, n, n_ok, N, KDIM,
-                             BLOCK_K, REPACKED, PRECISION)
+    acc = _mainloop(acc, h_ptr, rows.to(tl.int64) * stride_h, r_ok, w_ptr, s_ptr, e, n, n_ok, N, KDIM, BLOCK_K,
+                    REPACKED, BF16X2, PRECISION)
     acc = acc * ACC_SCALE + tl.load(b_ptr + e.to(tl.int64) * N + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     rw = tl.load(rw_ptr + pair, mask=r_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + pair[None, :] * N + n[:, None], acc * rw[None, :], mask=n_ok[:, None] & r_ok[None, :])
-
-
-def permute_activations(x: torch.Tensor, block_k: int) -> torch.Tensor:
-    """``x`` ``[T, K]`` → ``[T, cdiv(K, block_k) * block_k]`` (zeros past ``K``) with each ``block_k`` chunk
-    reordered so that input ``k0 + 8 w + c`` sits at ``k0 + c * block_k / 8 + w``: the activations of one code
-    position of ``block_k / 8`` packed words are then contiguous (:func:`_per_code_mainloop`)."""
-    t, k = x.shape
-    kp = -(-k // block_k) * block_k
-    if kp != k:
-        x = torch.nn.functional.pad(x, (0, kp - k))
-    return x.reshape(t, kp // block_k, block_k // 8, 8).transpose(2, 3).reshape(t, kp)
 
 
 _ONE_STAGE: set[tuple[str, int]] = set()
@@ -500,20 +515,17 @@ def grouped_moe_partials(
     precision = "ieee" if x.dtype == torch.float32 else None
     cfg = tile_config(block_m)
     bk = cfg.block_k
-    xp = permute_activations(x, bk)
-    ip = -(-inter // bk) * bk
-    h = torch.empty(p, ip, dtype=x.dtype, device=x.device)
-    if ip != inter:
-        h[:, (inter // bk) * bk:].zero_()  # the last chunk's padding (its places interleave with inputs)
+    h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
+    bf16x2 = bool(repacked and x.is_cuda and x.dtype == torch.bfloat16)
     _launch(_gate_up_kernel, (g.max_blocks, triton.cdiv(two_i, cfg.block_n)),
-            (xp, g.order, g.block_expert, g.block_row, g.expert_start, gu_words, gate_up_scales, gate_up_bias,
-             h, float(alpha), float(limit), xp.stride(0), h.stride(0), two_i, num_experts), block_m, cfg,
+            (x, g.order, g.block_expert, g.block_row, g.expert_start, gu_words, gate_up_scales, gate_up_bias,
+             h, float(alpha), float(limit), x.stride(0), h.stride(0), two_i, num_experts), block_m, cfg,
             TOP_K=top_k, KDIM=hidden, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, REPACKED=repacked,
-            PRECISION=precision)
+            BF16X2=bf16x2, PRECISION=precision)
     _launch(_down_kernel, (g.max_blocks, triton.cdiv(hidden, cfg.block_n)),
             (h, g.order, g.block_expert, g.block_row, g.expert_start, d_words, down_scales, down_bias,
              weights.reshape(-1).contiguous(), y, h.stride(0), hidden, num_experts), block_m, cfg,
-            KDIM=inter, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, REPACKED=repacked,
+            KDIM=inter, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, REPACKED=repacked, BF16X2=bf16x2,
             PRECISION=precision)
     return y
 

@@ -57,7 +57,7 @@ def close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-5) -> None:
 @pytest.fixture
 def small_tiles():
     """32 weight rows per program with 128-wide K steps: several N tiles on tiny shapes, and widths 96 and 64
-    leave a padded last chunk (whose padding interleaves with the inputs)."""
+    end inside a K step (the masked tail of the words, scales and activations)."""
     mg.TILE_OVERRIDES.update({m: mg.TileConfig(m, 32, 128, 4, 1) for m in mg.TILES})
     yield
     mg.TILE_OVERRIDES.clear()
@@ -110,7 +110,7 @@ def test_partials_are_per_pair_and_residual_adds(small_tiles):
 
 
 def test_default_tiles_one_token():
-    """The serving tiles (16-row M-blocks, 256-wide K steps: one padded chunk at 96) for a single decode
+    """The serving tiles (16-row M-blocks, 64-wide K steps: a half step at width 96) for a single decode
     token."""
     hidden, inter, e = 96, 64, 8
     experts = RandomExperts(e, hidden, inter, seed=2)
