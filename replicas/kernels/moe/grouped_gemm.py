@@ -291,6 +291,15 @@ def _code_f32(w, c: tl.constexpr):
 
 
 @triton.jit
+def _pair_patterns(w):
+    """Decode-layout words (uint32) → their four bf16x2 code-pair patterns ``(p, p + 4)``, ``p = 0..3``
+    (:mod:`replicas.kernels.moe.decode_layout`: a mask, two shift-and-masks, and pair 3's gather)."""
+    v = w & _PAIR3_MASK
+    return (w & _PAIR_MASK, (w << _SHIFT1) & _PAIR_MASK, (w << _SHIFT2) & _PAIR_MASK,
+            ((v >> _MAG3_A) | (v >> _MAG3_B) | (v << _SIGN3)) & _PAIR_MASK)
+
+
+@triton.jit
 def _pair_f32(pair):
     """bf16x2 code-pair patterns (uint32) → (low code, high code) fp32, each the value x 2**-126."""
     return (pair << 16).to(tl.float32, bitcast=True), (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -301,11 +310,11 @@ def _codes(w, REPACKED: tl.constexpr):
     """uint32 words ``[R, W]`` → the 8 codes of each word as 8 fp32 ``[R, W]`` tensors (code ``c`` =
     element ``8 w + c``), each the E2M1 value x 2**-126."""
     if REPACKED:
-        v = w & _PAIR3_MASK
-        c0, c4 = _pair_f32(w & _PAIR_MASK)
-        c1, c5 = _pair_f32((w << _SHIFT1) & _PAIR_MASK)
-        c2, c6 = _pair_f32((w << _SHIFT2) & _PAIR_MASK)
-        c3, c7 = _pair_f32(((v >> _MAG3_A) | (v >> _MAG3_B) | (v << _SIGN3)) & _PAIR_MASK)
+        p0, p1, p2, p3 = _pair_patterns(w)
+        c0, c4 = _pair_f32(p0)
+        c1, c5 = _pair_f32(p1)
+        c2, c6 = _pair_f32(p2)
+        c3, c7 = _pair_f32(p3)
     else:
         c0 = _code_f32(w, 0)
         c1 = _code_f32(w, 1)
@@ -330,6 +339,12 @@ def _scaled_pair_bf16(pair, scale2):
 
 
 @triton.jit
+def _per_word(x, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    """``[BLOCK_N, G]`` per-scale-group values → ``[BLOCK_N, 4 G]``, one per packed word (4 words share a scale)."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], [BLOCK_N, G, 4]), [BLOCK_N, 4 * G])
+
+
+@triton.jit
 def _weight_tile(w_ptr, s_ptr, row, n_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_N: tl.constexpr, REPACKED: tl.constexpr, BF16X2: tl.constexpr, dt: tl.constexpr):
     """Weight rows ``row`` ``[BLOCK_N]`` (int64, ``expert * N + n``), inputs ``k0 .. k0 + BLOCK_K`` decoded to
@@ -347,15 +362,14 @@ def _weight_tile(w_ptr, s_ptr, row, n_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.co
                  other=127)
     if BF16X2:
         half = (sg.to(tl.uint32) + (127 - 65)) << 7  # bf16 2**(s - 65)
-        f2 = tl.reshape(tl.broadcast_to((half | (half << 16))[:, :, None], [BLOCK_N, G, 4]), [BLOCK_N, WORDS])
-        v = wd & _PAIR3_MASK
-        c0, c4 = _scaled_pair_bf16(wd & _PAIR_MASK, f2)
-        c1, c5 = _scaled_pair_bf16((wd << _SHIFT1) & _PAIR_MASK, f2)
-        c2, c6 = _scaled_pair_bf16((wd << _SHIFT2) & _PAIR_MASK, f2)
-        c3, c7 = _scaled_pair_bf16(((v >> _MAG3_A) | (v >> _MAG3_B) | (v << _SIGN3)) & _PAIR_MASK, f2)
+        f2 = _per_word(half | (half << 16), BLOCK_N, G)
+        p0, p1, p2, p3 = _pair_patterns(wd)
+        c0, c4 = _scaled_pair_bf16(p0, f2)
+        c1, c5 = _scaled_pair_bf16(p1, f2)
+        c2, c6 = _scaled_pair_bf16(p2, f2)
+        c3, c7 = _scaled_pair_bf16(p3, f2)
     else:
-        fg = ((sg.to(tl.int32) + (127 - 65)) << 23).to(tl.float32, bitcast=True)  # 2**(s - 65)
-        f = tl.reshape(tl.broadcast_to(fg[:, :, None], [BLOCK_N, G, 4]), [BLOCK_N, WORDS])
+        f = _per_word(((sg.to(tl.int32) + (127 - 65)) << 23).to(tl.float32, bitcast=True), BLOCK_N, G)  # 2**(s-65)
         d0, d1, d2, d3, d4, d5, d6, d7 = _codes(wd, REPACKED)
         c0, c1, c2, c3 = (d0 * f).to(dt), (d1 * f).to(dt), (d2 * f).to(dt), (d3 * f).to(dt)
         c4, c5, c6, c7 = (d4 * f).to(dt), (d5 * f).to(dt), (d6 * f).to(dt), (d7 * f).to(dt)
