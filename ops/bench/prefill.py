@@ -1,6 +1,6 @@
 """Prefill and standard-lane benchmark on one GPU, in one call: kernel checks, kernel peers, TTFT, batching.
 
-Parts (``--parts``; by default ``checks``, the two model shapes, ``kernels``, ``lanes``, ``tiles``, in that
+Parts (``--parts``; by default ``checks``, the two model shapes, ``hf``, ``kernels``, ``lanes``, ``tiles``, in that
 order; each in its own ``try``, so one failing part does not lose the others; a time budget,
 ``--budget-s``, skips what would not fit):
 
@@ -26,6 +26,10 @@ order; each in its own ``try``, so one failing part does not lose the others; a 
 * ``lanes`` — a small random GPT-OSS in fp32 and bf16: greedy tokens of 20 prompts x 128 identical between
   the persistent lane and the standard lane (new prefill, decode graphs past 16 sequences), and the
   standard lane at concurrency 64 against the same requests one at a time (how many match).
+* ``hf`` — the transformers peer on the gpt-oss-20b shape (its own random bf16 weights, experts dense, as
+  ``ops/bench/engine.py`` builds it): TTFT (``generate`` of one token) at the same prompts, with its dynamic
+  cache (eager) and with ``cache_implementation="static"`` (transformers compiles the forward itself). Run it
+  in the same call as ``gpt-oss-20b`` for the side-by-side.
 * ``tiles`` — tile alternatives of the grouped MoE GEMMs (64, 1,024, 8,192 tokens) and of the prefill
   attention (8,192 tokens), for choosing the defaults.
 
@@ -54,7 +58,7 @@ from pathlib import Path
 import torch
 
 DOCS_MARKER = "bench_prefill"
-PARTS = ("checks", "gpt-oss-120b", "gpt-oss-20b", "kernels", "lanes", "tiles")
+PARTS = ("checks", "gpt-oss-120b", "gpt-oss-20b", "hf", "kernels", "lanes", "tiles")
 """In priority order: the headline measurements first, so a run cut short by its time budget keeps them."""
 
 
@@ -1012,6 +1016,66 @@ def part_lanes(rep: Report, args) -> None:
                "decode graph buckets used", "first differing token (c=64 vs alone)"], rows)
 
 
+# ------------------------------------------------------------------------------------------- transformers
+
+
+def hf_ttft(model, prompt: list[int], static: bool, reps: int) -> float:
+    """Median milliseconds of transformers ``generate`` for one greedy token of ``prompt`` (its TTFT), after one
+    untimed call of the same length (compilation, allocator)."""
+    model.generation_config.cache_implementation = "static" if static else None
+    ids = torch.tensor([prompt], device=S.device)
+    kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, "max_new_tokens": 1, "min_new_tokens": 1}
+    times = []
+    for r in range(reps + 1):
+        sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, **kw)
+        sync()
+        if r:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def part_hf(rep: Report, args) -> None:
+    import transformers
+
+    from ops.bench.engine import hf_model
+
+    raw = gpt_oss_config("gpt-oss-20b")
+    t0 = time.perf_counter()
+    model = hf_model(raw, torch.device(S.device), S.dtype)
+    build_s = time.perf_counter() - t0
+    rows = []
+    try:
+        for n in S.prompts:
+            if rep.left() < 45:
+                rows.append([n, float("nan"), float("nan"), "skipped: time budget"])
+                continue
+            prompt = random_prompt(raw["vocab_size"], n, 300 + n)
+            cells: list = [n]
+            for static in (False, True):
+                try:
+                    cells.append(hf_ttft(model, prompt, static, args.reps))
+                except Exception as exc:  # noqa: BLE001 - out of memory at 8,192, a version without the path
+                    rep.error(f"hf/TTFT {n} tokens static={static}", exc)
+                    cells.append(float("nan"))
+            rows.append(cells + [""])
+    finally:
+        del model
+        import gc
+
+        gc.collect()
+        if S.device == "cuda":
+            torch.cuda.empty_cache()
+    rep.table("TTFT, batch one, gpt-oss-20b shape, transformers (random bf16 weights, experts dense), ms",
+              ["prompt", "transformers, dynamic cache", "transformers, static cache", "note"], rows,
+              f"transformers {transformers.__version__}; `generate` of one greedy token, median of {args.reps} after "
+              f"one untimed call per length; built in {build_s:.0f} s. The static cache is what transformers "
+              "compiles (its decode forward); the first token is its prefill either way. Ours: the gpt-oss-20b "
+              "table of the same call.")
+
+
 # ------------------------------------------------------------------------------------------- main
 
 
@@ -1056,6 +1120,7 @@ def main(argv: list[str] | None = None) -> Report | None:
         raise SystemExit("ops.bench.prefill needs a CUDA GPU (or --smoke)")
     rep = Report(Path(args.out), argv, args.budget_s)
     runners = {"checks": part_checks, "kernels": part_kernels, "lanes": part_lanes, "tiles": part_tiles,
+               "hf": part_hf,
                "gpt-oss-120b": lambda r, a: part_model(r, a, "gpt-oss-120b"),
                "gpt-oss-20b": lambda r, a: part_model(r, a, "gpt-oss-20b")}
     for part in [x.strip() for x in args.parts.split(",") if x.strip()]:
