@@ -49,3 +49,51 @@ def test_lanes_agree_and_concurrency_64_matches_one_at_a_time():
     assert any(b > 16 for b in r["graph_buckets_used"]), r["graph_buckets_used"]  # grouped MoE inside a graph
     # fp32, logits spread 20x: batch-one and grouped kernels sum in different orders, ties are rare
     assert r["concurrent_vs_alone"] >= 60, r
+
+
+def test_standard_lane_steps_do_not_synchronize_the_host_inside_the_forward():
+    """Issue 18's step without host synchronization: a small random GPT-OSS (bf16, prefill kernels, decode
+    graphs) serves 40 requests arriving in two waves with a 256-token step budget, so chunked prefills mix
+    with decodes and decode batches pass 16 sequences. Every forward runs under torch's sync debug mode set to
+    ``error``: a ``.item()``, a device-to-host copy or a stream synchronization inside it raises. The one
+    read per step that must wait, the sampled tokens (:func:`replicas.sampler.sample_rows`), is outside."""
+    from ops.bench.prefill import SMALL_GPT_OSS
+    from ops.tools.make_tiny_gpt_oss import real_config
+    from replicas.engine import LLMEngine
+    from replicas.request import SamplingParams
+    from replicas.scheduler import SchedulerConfig
+    from tests.gpu.conftest import dummy_core
+
+    core = dummy_core({**real_config("20b"), **SMALL_GPT_OSS}, torch.bfloat16, 512, num_kv_blocks=1400,
+                      max_num_seqs=64)
+    engine = LLMEngine(core, SchedulerConfig(64, 256, True))
+    engine.warm_up()  # compile and capture outside the strict region
+    execute, forwards = core.runner.execute, []
+
+    def strict(batch):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = execute(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        forwards.append((len(batch), sum(n for _, n in batch)))
+        return logits
+
+    core.runner.execute = strict
+    g = torch.Generator().manual_seed(3)
+    vocab = SMALL_GPT_OSS["vocab_size"]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    done: dict[str, int] = {}
+    for wave in range(2):
+        for i in range(20):
+            n = int(torch.randint(20, 300, (1,), generator=g))
+            engine.add_request(f"w{wave}-{i}", torch.randint(3, vocab, (n,), generator=g).tolist(), params)
+        for _ in range(6 if wave == 0 else 10**6):
+            if not engine.has_unfinished():
+                break
+            for ch in engine.step():
+                done[ch.request_id] = done.get(ch.request_id, 0) + len(ch.token_ids)
+    assert done == {f"w{w}-{i}": 48 for w in range(2) for i in range(20)}
+    assert any(seqs > 1 and tokens > seqs for seqs, tokens in forwards), forwards  # a mixed prefill + decode step
+    assert any(seqs > 16 and tokens == seqs for seqs, tokens in forwards), forwards  # a decode step past 16
+    assert core.allocator.num_free == core.allocator.num_blocks
