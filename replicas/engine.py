@@ -323,12 +323,16 @@ class LLMEngine:
     def warm_up(self, capture_graphs: bool = True, lengths: tuple[int, ...] = (16, 100, 128, 1024),
                 batch: int = 8, batch_len: int = 256, new_tokens: int = 4) -> dict:
         """Run the kernels once before serving: capture every decode-graph bucket (largest first, with
-        ``capture_graphs``), then greedy throwaway requests of random token ids (seeded): one prompt of each of
-        ``lengths`` tokens, then ``batch`` prompts of ``batch_len`` tokens at once, ``new_tokens`` each. Their
-        Triton kernels compile and their graphs replay here instead of inside the first requests. Lengths are
-        capped to what ``max_model_len`` and the KV pool hold. Call it while the engine holds no request.
-        A model with ``warm_up_prompt_lengths(max_tokens)`` (GPT-OSS: one length per M-block height of its
-        grouped MoE GEMMs, each height its own compiled kernel) adds its lengths; 100 is not a multiple of 16.
+        ``capture_graphs``), then greedy throwaway requests of random token ids (seeded): one step of each of
+        ``lengths`` prompt tokens, then ``batch`` prompts of ``batch_len`` tokens at once, ``new_tokens`` each.
+        Their Triton kernels compile and their graphs replay here instead of inside the first requests.
+        A model with ``warm_up_prompt_lengths(max_tokens)`` (GPT-OSS: one token count per M-block height of its
+        grouped MoE GEMMs, each height its own compiled kernel) adds its counts, up to the most tokens one step
+        takes (``max_num_batched_tokens``): a served burst's step packs several prompts, more tokens than any
+        one prompt has. A count longer than one prompt may be (``max_model_len``, half the KV pool) is split
+        over several prompts added together, which the scheduler prefills in one step. Counts are capped to
+        what one step and half the KV pool hold; 100 is not a multiple of 16. Call it while the engine holds
+        no request.
 
         Returns ``{"graphs_failed": [...], "prompts": n, "seconds": s}``.
 
@@ -344,11 +348,16 @@ class LLMEngine:
         failed = graphs.capture_all() if graphs is not None and capture_graphs else []
         cfg, alloc = self.core.config, self.core.allocator
         vocab = self.core.model.config.vocab_size
-        longest = max(1, min(cfg.max_model_len - new_tokens, alloc.num_blocks * PAGE_SIZE // 2))
+        pool = alloc.num_blocks * PAGE_SIZE // 2
+        longest = max(1, min(cfg.max_model_len - new_tokens, pool))  # one prompt
+        step = max(1, min(self.scheduler.config.max_num_batched_tokens, pool))  # one step's prompt tokens
         model_lengths = getattr(self.core.model, "warm_up_prompt_lengths", None)
-        if model_lengths is not None:  # the lengths that reach each of the model's kernel variants
-            lengths = (*lengths, *model_lengths(longest))
-        rounds = [[n] for n in dict.fromkeys(min(n, longest) for n in lengths)]  # capped, duplicates once
+        if model_lengths is not None:  # the token counts that reach each of the model's kernel variants
+            lengths = (*lengths, *model_lengths(step))
+        rounds = []
+        for n in dict.fromkeys(min(n, step) for n in lengths):  # capped, duplicates once
+            k = min(-(-n // longest), self.scheduler.config.max_num_seqs)  # prompts sharing the step
+            rounds.append([n // k + (i < n % k) for i in range(k)])
         rounds.append([min(batch_len, max(1, longest // batch))] * batch)
         generator = torch.Generator().manual_seed(0)
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)

@@ -446,3 +446,32 @@ def test_warm_up_runs_a_prompt_per_grouped_gemm_height(gpt_core):
         assert t == DECODE_MAX_TOKENS + 1 or height[t - 1] != height[t]
     done = LLMEngine(gpt_core).warm_up(lengths=(16,), batch=2, batch_len=8, new_tokens=1)
     assert done["prompts"] == 1 + len(lengths) + 2
+
+
+def test_warm_up_reaches_every_grouped_gemm_height_a_step_can_take(tiny_dir):
+    """A step may hold more prompt tokens than one prompt (``max_num_batched_tokens`` against
+    ``max_model_len``): a served burst packs several prompts into one step. The warm-up reaches every M-block
+    height such a step can reach, splitting a count longer than one prompt over prompts prefilled together
+    (the H200's first burst of 1,024-token 120b prompts compiled the 128-row kernels inside the requests,
+    3.2 s, when the warm-up stopped at one prompt's 1,340 tokens)."""
+    from replicas.kernels.moe import DECODE_MAX_TOKENS
+    from replicas.kernels.moe.grouped_gemm import pick_block_m, token_counts_per_block_m
+
+    core = EngineCore.load(EngineConfig(model=str(tiny_dir), dtype="float32", progress=False, max_model_len=48,
+                                        max_num_batched_tokens=1024, num_kv_blocks=64,
+                                        torch_threads=TORCH_THREADS))
+    cfg = core.model.config
+    want = token_counts_per_block_m(cfg.num_experts, cfg.experts_per_token, DECODE_MAX_TOKENS + 1, 1024)
+    assert max(want.values()) > 48  # the largest height needs more tokens than one prompt holds
+    steps = []
+    execute = core.runner.execute
+
+    def recording(batch):
+        steps.append(sum(n for _, n in batch))
+        return execute(batch)
+
+    core.runner.execute = recording
+    LLMEngine(core).warm_up(lengths=(16,), batch=2, batch_len=8, new_tokens=1)
+    reached = {pick_block_m(t * cfg.experts_per_token, cfg.num_experts) for t in steps if t > DECODE_MAX_TOKENS}
+    assert reached == set(want), (steps, want)
+    assert core.allocator.num_free == core.allocator.num_blocks
