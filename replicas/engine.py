@@ -331,8 +331,8 @@ class LLMEngine:
         takes (``max_num_batched_tokens``): a served burst's step packs several prompts, more tokens than any
         one prompt has. A count longer than one prompt may be (``max_model_len``, half the KV pool) is split
         over several prompts added together, which the scheduler prefills in one step. Counts are capped to
-        what one step and half the KV pool hold; 100 is not a multiple of 16. Call it while the engine holds
-        no request.
+        what one step (``max_num_batched_tokens``, ``max_num_seqs`` prompts) and half the KV pool hold; 100 is
+        not a multiple of 16. Call it while the engine holds no request.
 
         Returns ``{"graphs_failed": [...], "prompts": n, "seconds": s}``.
 
@@ -348,15 +348,16 @@ class LLMEngine:
         failed = graphs.capture_all() if graphs is not None and capture_graphs else []
         cfg, alloc = self.core.config, self.core.allocator
         vocab = self.core.model.config.vocab_size
+        sched = self.scheduler.config
         pool = alloc.num_blocks * PAGE_SIZE // 2
         longest = max(1, min(cfg.max_model_len - new_tokens, pool))  # one prompt
-        step = max(1, min(self.scheduler.config.max_num_batched_tokens, pool))  # one step's prompt tokens
+        step = max(1, min(sched.max_num_batched_tokens, pool, sched.max_num_seqs * longest))  # one step's
         model_lengths = getattr(self.core.model, "warm_up_prompt_lengths", None)
         if model_lengths is not None:  # the token counts that reach each of the model's kernel variants
             lengths = (*lengths, *model_lengths(step))
         rounds = []
         for n in dict.fromkeys(min(n, step) for n in lengths):  # capped, duplicates once
-            k = min(-(-n // longest), self.scheduler.config.max_num_seqs)  # prompts sharing the step
+            k = -(-n // longest)  # prompts sharing the step (at most max_num_seqs: step caps n)
             rounds.append([n // k + (i < n % k) for i in range(k)])
         rounds.append([min(batch_len, max(1, longest // batch))] * batch)
         generator = torch.Generator().manual_seed(0)

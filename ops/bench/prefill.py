@@ -1019,28 +1019,10 @@ def part_lanes(rep: Report, args) -> None:
 # ------------------------------------------------------------------------------------------- transformers
 
 
-def hf_ttft(model, prompt: list[int], static: bool, reps: int) -> float:
-    """Median milliseconds of transformers ``generate`` for one greedy token of ``prompt`` (its TTFT), after one
-    untimed call of the same length (compilation, allocator)."""
-    model.generation_config.cache_implementation = "static" if static else None
-    ids = torch.tensor([prompt], device=S.device)
-    kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None, "max_new_tokens": 1, "min_new_tokens": 1}
-    times = []
-    for r in range(reps + 1):
-        sync()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, **kw)
-        sync()
-        if r:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def part_hf(rep: Report, args) -> None:
     import transformers
 
-    from ops.bench.engine import hf_model
+    from ops.bench.engine import hf_model, time_hf
 
     raw = gpt_oss_config("gpt-oss-20b")
     t0 = time.perf_counter()
@@ -1056,7 +1038,7 @@ def part_hf(rep: Report, args) -> None:
             cells: list = [n]
             for static in (False, True):
                 try:
-                    cells.append(hf_ttft(model, prompt, static, args.reps))
+                    cells.append(time_hf(model, torch.device(S.device), prompt, 2, args.reps, static)[0])
                 except Exception as exc:  # noqa: BLE001 - out of memory at 8,192, a version without the path
                     rep.error(f"hf/TTFT {n} tokens static={static}", exc)
                     cells.append(float("nan"))
@@ -1070,8 +1052,8 @@ def part_hf(rep: Report, args) -> None:
             torch.cuda.empty_cache()
     rep.table("TTFT, batch one, gpt-oss-20b shape, transformers (random bf16 weights, experts dense), ms",
               ["prompt", "transformers, dynamic cache", "transformers, static cache", "note"], rows,
-              f"transformers {transformers.__version__}; `generate` of one greedy token, median of {args.reps} after "
-              f"one untimed call per length; built in {build_s:.0f} s. The static cache is what transformers "
+              f"transformers {transformers.__version__}; `generate` of one greedy token (`ops.bench.engine.time_hf`), "
+              f"median of {args.reps} after an untimed call per length; built in {build_s:.0f} s. The static cache is what transformers "
               "compiles (its decode forward); the first token is its prefill either way. Ours: the gpt-oss-20b "
               "table of the same call.")
 

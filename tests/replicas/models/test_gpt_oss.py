@@ -475,3 +475,8 @@ def test_warm_up_reaches_every_grouped_gemm_height_a_step_can_take(tiny_dir):
     reached = {pick_block_m(t * cfg.experts_per_token, cfg.num_experts) for t in steps if t > DECODE_MAX_TOKENS}
     assert reached == set(want), (steps, want)
     assert core.allocator.num_free == core.allocator.num_blocks
+    # one sequence per step: no count above one prompt's length is tried (such a prompt would be refused)
+    steps.clear()
+    LLMEngine(core, SchedulerConfig(1, 1024, True)).warm_up(lengths=(16,), batch=2, batch_len=8, new_tokens=1)
+    assert steps and max(steps) <= 48 - 1
+    assert core.allocator.num_free == core.allocator.num_blocks
