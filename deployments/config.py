@@ -69,6 +69,12 @@ class AppConfig(BaseModel):
         "the standard_pool options (one more ongoing request, for the persistent lane); persistent_pool is "
         "unused. Needs persistent-decoder auto or required (off deploys the standard pool alone).",
     )
+    direct_stream: bool = Field(
+        True, description="Engines send each request's output straight to the ingress process that reads it, "
+        "over one TCP connection per engine and ingress (docs/architecture.md, Direct output streams), instead "
+        "of back through the replica (two Ray hops per chunk). The request itself still goes through Serve. "
+        "The ingress listens on its node's address at a free port; false: every chunk comes back through Ray.",
+    )
     persistent_fault_injection: FaultInjection | None = Field(
         None, description="Tests only: make the persistent backend fail on purpose. Off by default.",
     )

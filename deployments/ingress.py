@@ -195,6 +195,7 @@ class OpenAIIngress:
             self.max_model_len, config.spillover_wait_s, app_name=self.app_name,
             colocated=config.colocated_enabled,
             wait_for_persistent=config.colocated_enabled or config.persistent_pool.min_replicas > 0,
+            direct_stream=config.direct_stream,
         )
         self.persistent, self.standard = persistent, standard
 

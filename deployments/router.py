@@ -77,6 +77,7 @@ from policy import (
 )
 from policy.spillover import SpilloverEstimator
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection, Started
+from replicas.stream_channel import Relayed, StreamListener
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +131,13 @@ class Router:
             router then treats a replica as free unless its own requests fill it).
         colocated: both lanes in one deployment (``generate_persistent`` / ``generate`` entries).
         wait_for_persistent: readiness needs the persistent pool too (False when it may have no replica).
+        direct_stream: engines send each request's output straight to this router's listener
+            (:mod:`replicas.stream_channel`) instead of back through the replica; False: through Ray.
     """
 
     def __init__(self, mode: Mode, persistent, standard, max_model_len: int, spillover_wait_s: float = 0.5,
-                 app_name: str | None = None, colocated: bool = False, wait_for_persistent: bool = True):
+                 app_name: str | None = None, colocated: bool = False, wait_for_persistent: bool = True,
+                 direct_stream: bool = True):
         self.mode = mode
         self.persistent = persistent
         self.standard = standard
@@ -160,6 +164,11 @@ class Router:
         self._pools_needed = ["standard"] + (["persistent"] if persistent is not None and wait_for_persistent else [])
         self._reached: set[str] = set()
         self._probe_lock = asyncio.Lock()
+        self.direct_stream = direct_stream
+        self._listener: StreamListener | None = None
+        self._listener_lock = asyncio.Lock()
+        self.direct_dispatches = 0
+        """Dispatches whose output came over the direct stream (the rest came back through Ray)."""
 
     def _status(self) -> PersistentLaneStatus:
         # capacity is decided per request by the spillover rule (_wait_budget), not here
@@ -173,7 +182,9 @@ class Router:
     def stats(self) -> dict:
         """Router counters and spillover estimates for ``/debug/stats``."""
         replicas = None if self._pool is None else self._pool[0]
-        return {"persistent_in_flight": self.in_flight, "spillovers": self.spillovers,
+        direct = {"enabled": self.direct_stream, "dispatches": self.direct_dispatches,
+                  **(self._listener.stats() if self._listener is not None else {})}
+        return {"persistent_in_flight": self.in_flight, "spillovers": self.spillovers, "direct_stream": direct,
                 "overloaded": self.overloaded, "served": dict(self.served), "persistent_replicas_seen": replicas,
                 "persistent_free": self._free_replicas(), "estimates": self.estimator.snapshot()}
 
@@ -181,6 +192,7 @@ class Router:
     async def missing_pools(self) -> list[str]:
         """The pools this router has not reached yet (``[]``: ready). Each missing pool gets one ``ping``
         through its handle (the same handle requests use, so its replicas are resolved afterwards)."""
+        await self._ensure_listener()
         async with self._probe_lock:
             missing = []
             for name in self._pools_needed:
@@ -197,6 +209,98 @@ class Router:
                 self._reached.add(name)
             self._ensure_poller()
             return missing
+
+    async def _ensure_listener(self) -> None:
+        """Start this router's direct-stream listener on its node's address (once; off: never)."""
+        if not self.direct_stream or self._listener is not None:
+            return
+        async with self._listener_lock:
+            if self._listener is not None:
+                return
+            listener = StreamListener(_node_address())
+            try:
+                await listener.start()
+            except OSError as exc:
+                logger.warning("direct stream: cannot listen on %s (%s); output comes back through Ray",
+                               listener.host, exc)
+                self.direct_stream = False
+                return
+            self._listener = listener
+
+    def _dispatch(self, request: GenerateRequest) -> tuple[GenerateRequest, asyncio.Queue | None]:
+        """``request`` as one dispatch sends it: with a fresh :class:`ReplyTo` and its queue when the
+        direct stream is on (close it with :meth:`_merged`, or ``_listener.close``), else unchanged."""
+        if self._listener is None:
+            return request, None
+        reply_to, queue = self._listener.open()
+        return dataclasses.replace(request, reply_to=reply_to), queue
+
+    async def _merged(self, response, request: GenerateRequest, queue: asyncio.Queue | None, lane: str):
+        """One dispatch's items: those its Serve stream ``response`` yields (replica failures turned into
+        :class:`GenerationError` as :func:`_ended_by_error`) and, with ``queue``, those its engine sent
+        over the direct stream.
+
+        Ends at the engine's final frame (not waiting for the Ray call to return), or when the Serve
+        stream ends and every item its :class:`Relayed` announced has arrived; one that has not within
+        ``DIRECT_GRACE_S`` of the Serve stream's end ends the request with a ``stream_lost`` error.
+        Closed early (client gone, caller stopped reading), it cancels the Serve stream.
+        """
+        ray_items = _ended_by_error(response, request.request_id, lane)
+        if queue is None:
+            async with contextlib.aclosing(ray_items) as items:
+                async for item in items:
+                    yield item
+            return
+        key = request.reply_to.key
+        pump = asyncio.ensure_future(_pump(ray_items, queue))
+        open_choices = request.params.n
+        ended, expected, got, ray_ended = False, None, 0, False
+
+        def last(item) -> bool:  # does ``item`` end the dispatch (every choice finished, or an error)?
+            nonlocal open_choices
+            if isinstance(item, GenerationChunk):
+                open_choices -= item.finish_reason is not None
+                return open_choices <= 0
+            return not isinstance(item, Started)
+
+        try:
+            while not ended:
+                if ray_ended:
+                    try:
+                        entry = await asyncio.wait_for(queue.get(), DIRECT_GRACE_S)
+                    except asyncio.TimeoutError:
+                        ended = True
+                        yield GenerationError(request.request_id, "the engine's direct stream lost output; retry the "
+                                              "request", lane, "postlaunch", "stream_lost")
+                        return
+                else:
+                    entry = await queue.get()
+                if entry is _RAY_END:
+                    ray_ended = True
+                    ended = expected is None or got >= expected
+                elif isinstance(entry, _RayItem):
+                    item = entry.item
+                    if isinstance(item, BaseException):
+                        ended = True
+                        raise item
+                    if isinstance(item, Relayed):
+                        expected = item.items
+                        ended = got >= expected
+                        continue
+                    ended = last(item)
+                    yield item
+                else:
+                    items, final = entry
+                    self.direct_dispatches += not got
+                    got += len(items)
+                    ended = final
+                    for item in items:
+                        yield item
+        finally:
+            self._listener.close(key)
+            if not ended:  # stopped early (the client went away): stop the dispatch too
+                pump.cancel()
+                response.cancel()
 
     def _ensure_poller(self) -> None:
         if self._poller is None and self.persistent is not None and self.app_name is not None:
@@ -255,6 +359,7 @@ class Router:
         :class:`Started`), else None (still queued after ``wait_s``, or refused by Serve's
         ``max_queued_requests``)."""
         entry = getattr(self.persistent.options(stream=True), self.persistent_entry)
+        request, queue = self._dispatch(request)
         stream = entry.remote(request)
         first = asyncio.ensure_future(stream.__anext__())
         try:
@@ -262,9 +367,13 @@ class Router:
         except asyncio.CancelledError:  # the client went away while queued
             stream.cancel()
             first.cancel()
+            if queue is not None:
+                self._listener.close(request.reply_to.key)
             raise
         if done and first.exception() is None and isinstance(first.result(), Started):
-            return stream
+            return self._merged(stream, request, queue, Lane.PERSISTENT.value)
+        if queue is not None:
+            self._listener.close(request.reply_to.key)
         stream.cancel()  # still queued (or refused by Serve's max_queued_requests): drop it
         if not done:
             first.cancel()
@@ -285,6 +394,7 @@ class Router:
             arrival: ``time.monotonic()`` when the HTTP request arrived (latency metrics), or now.
         """
         self._ensure_poller()
+        await self._ensure_listener()
         decision = self.decide(request)
         span = get_tracer().start_span(SPAN_ROUTE, context=parent, attributes={
             ATTR_LANE: decision.lane.value, "mode": self.mode.value, "request.id": request.request_id,
@@ -340,8 +450,9 @@ class Router:
         for attempt in range(STANDARD_RETRIES + 1):
             delivered, timed = False, False
             dispatched = time.monotonic()
-            stream = _ended_by_error(self.standard.options(stream=True).generate.remote(request), request.request_id,
-                                     Lane.STANDARD.value)
+            sent, queue = self._dispatch(request)
+            stream = self._merged(self.standard.options(stream=True).generate.remote(sent), sent, queue,
+                                  Lane.STANDARD.value)
             try:
                 async for item in stream:
                     lost = isinstance(item, GenerationError) and item.reason in (REPLICA_DIED, "engine_died")
@@ -385,21 +496,23 @@ class Router:
         self.in_flight += 1
         self.estimator.started(request.request_id, request.params.max_tokens, started)
         try:
-            async for item in _ended_by_error(stream, request.request_id, Lane.PERSISTENT.value):
-                if isinstance(item, Rejection):
-                    rejected = item
-                    break
-                if isinstance(item, GenerationError) and item.stage == "postlaunch":
-                    # terminal for this request: traced, never retried on another lane
-                    self._fallback(span, item.reason, "postlaunch", request.request_id, lane=None)
-                    self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
-                elif isinstance(item, GenerationChunk):
-                    self.estimator.persistent_chunk(request.request_id, len(item.token_ids), time.monotonic())
-                    if item.fallback_reason:
-                        self._fallback(span, item.fallback_reason, "prelaunch", request.request_id,
-                                       lane="persistent", continued_on="reference_decode")
-                clock.chunk(item)
-                yield item
+            async with contextlib.aclosing(stream) as items:
+                async for item in items:
+                    if isinstance(item, Rejection):
+                        rejected = item
+                        break
+                    if isinstance(item, GenerationError) and item.stage == "postlaunch":
+                        # terminal for this request: traced, never retried on another lane
+                        self._fallback(span, item.reason, "postlaunch", request.request_id, lane=None)
+                        if item.reason != "stream_lost":  # the way back broke, not the decoder
+                            self._unhealthy_until = time.monotonic() + UNHEALTHY_RETRY_S
+                    elif isinstance(item, GenerationChunk):
+                        self.estimator.persistent_chunk(request.request_id, len(item.token_ids), time.monotonic())
+                        if item.fallback_reason:
+                            self._fallback(span, item.fallback_reason, "prelaunch", request.request_id,
+                                           lane="persistent", continued_on="reference_decode")
+                    clock.chunk(item)
+                    yield item
         finally:
             self.in_flight -= 1
             self.estimator.finished(request.request_id)
@@ -433,6 +546,44 @@ class Router:
         with trace.use_span(span, end_on_exit=False):
             record_fallback(reason, stage, request_id, lane=lane, **attrs)
         get_metrics().fallback(reason, stage)
+
+
+DIRECT_GRACE_S = 5.0
+"""How long a dispatch whose Serve stream has ended waits for the rest of its direct-stream output before it
+ends with a ``stream_lost`` error (the frames were written before the Ray call returned, so they are normally
+there first)."""
+
+
+class _RayItem:
+    """An item (or exception) from a dispatch's Serve stream, in the dispatch's queue."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item):
+        self.item = item
+
+
+_RAY_END = object()
+"""Queue entry: the dispatch's Serve stream has ended."""
+
+
+async def _pump(items, queue: asyncio.Queue) -> None:
+    """Move a Serve stream's items (and an exception it raises) into a dispatch's queue, then ``_RAY_END``."""
+    try:
+        async for item in items:
+            queue.put_nowait(_RayItem(item))
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
+        queue.put_nowait(_RayItem(exc))
+    queue.put_nowait(_RAY_END)
+
+
+def _node_address() -> str:
+    """This process's Ray node IP address (engines on other nodes can reach it), or 127.0.0.1 outside Ray."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def _this_actor():

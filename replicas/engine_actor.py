@@ -36,6 +36,7 @@ from replicas.persistent.contract import PersistentDecoderError
 from replicas.persistent.factory import backend_takes_cached_pages, create_backend
 from replicas.persistent.faults import FaultInjection, with_faults
 from replicas.persistent.lane import PersistentLane
+from replicas.stream_channel import Relayed, StreamSenders
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,7 @@ class EngineActor:
         }
         self.accelerator = device_facts(self.core.runner.device)
         self._requests: dict = {}  # request id -> RequestTelemetry, for the engine thread's queue-time hook
+        self._senders = StreamSenders()  # direct output streams to the ingress processes (replicas.stream_channel)
         self._snapshot: dict = self._colocated_stats() if self.colocated else {}
         if self.engine is not None:
             threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True).start()
@@ -302,7 +304,8 @@ class EngineActor:
         group, node, process id, the accelerator it sees: :func:`device_facts`; read by tests, the chaos runs
         and the debug endpoint)."""
         return {**self._stats(), "placement_group_id": _placement_group_id(), "settings": self.settings,
-                "node_id": _node_id(), "pid": os.getpid(), "accelerator": self.accelerator}
+                "node_id": _node_id(), "pid": os.getpid(), "accelerator": self.accelerator,
+                "direct_streams": self._senders.stats()}
 
     def _scheduled(self, request_id: str) -> None:
         request_telemetry = self._requests.get(request_id)
@@ -323,8 +326,15 @@ class EngineActor:
             raise ValueError(f"lane must be standard or persistent, got {lane!r}")
         return lane or "standard"
 
-    async def generate(self, request: GenerateRequest, lane: str | None = None) -> AsyncIterator[Item]:
+    async def generate(self, request: GenerateRequest, lane: str | None = None) -> AsyncIterator[Item | Relayed]:
         """Stream the events of one request (see :mod:`replicas.messages`).
+
+        With ``request.reply_to`` set and this actor's connection to that listener up, the events go
+        over the direct stream instead (:mod:`replicas.stream_channel`: every event available at once
+        in one frame, the last frame marked final) and this generator yields one :class:`Relayed`
+        (how many events it sent) at the end. The first request to a new listener starts the connect
+        and streams through Ray. A connection that breaks mid-request ends the request here with a
+        :class:`GenerationError` (``stream_lost``) and stops its work.
 
         Args:
             request: the request.
@@ -339,6 +349,7 @@ class EngineActor:
         out: asyncio.Queue = asyncio.Queue()
         done = False
         cancel = threading.Event()
+        channel = self._senders.channel(request.reply_to) if request.reply_to is not None else None
         request_telemetry = self.telemetry[target].start(request)
         if target == "persistent" and not self.colocated:
             threading.Thread(target=self._persistent_worker, args=(request, cancel, loop, out, request_telemetry), daemon=True).start()
@@ -352,14 +363,36 @@ class EngineActor:
         spilled = request.spilled and target == "standard"
         self._spilled_running += spilled
         open_choices = request.params.n if target == "standard" else 1
+        sent = 0
+
+        def take(item: Item) -> None:
+            nonlocal open_choices, done
+            request_telemetry.chunk(item)
+            if _is_last(item):
+                open_choices -= 1
+                done = open_choices == 0 or not isinstance(item, GenerationChunk)
+
         try:
             while not done:
                 item = await out.get()
-                request_telemetry.chunk(item)
-                if _is_last(item):
-                    open_choices -= 1
-                    done = open_choices == 0 or not isinstance(item, GenerationChunk)
-                yield item
+                take(item)
+                if channel is None:
+                    yield item
+                    continue
+                batch = [item]  # and whatever else is ready: one frame
+                while not done and not out.empty():
+                    batch.append(out.get_nowait())
+                    take(batch[-1])
+                try:
+                    await channel.send(request.reply_to.key, batch, done)
+                except ConnectionError as exc:
+                    done = False  # the work stops in the finally below
+                    yield GenerationError(request.request_id, f"the direct stream to the ingress broke ({exc})",
+                                          target, "postlaunch", "stream_lost")
+                    return
+                sent += len(batch)
+            if channel is not None:
+                yield Relayed(request.reply_to.key, sent)
         finally:
             self._spilled_running -= spilled
             if not done:  # the caller went away: stop the work and free its pages

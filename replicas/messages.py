@@ -14,6 +14,7 @@ from typing import Any
 
 from policy import AdmissionInput
 from replicas.request import SamplingParams
+from replicas.stream_channel import ReplyTo
 
 
 @dataclass
@@ -35,6 +36,9 @@ class GenerateRequest:
         caller: ``(actor id, actor handle)`` of the process that will read the
             stream (the ingress replica), so a replica can stop the work of a
             caller that died; None outside an actor. Not passed to engines.
+        reply_to: where the engine sends the request's output directly (a
+            :class:`replicas.stream_channel.ReplyTo` of the router's listener), or None: back
+            through Ray, the way the request came.
         spilled: an eligible request the router sent to the standard lane because every
             persistent replica was busy (reason ``persistent_capacity``); engines count these as
             persistent demand (stats ``spilled_running``) for the persistent pool's autoscaling.
@@ -49,6 +53,7 @@ class GenerateRequest:
     lane_override: str | None = None
     caller: tuple[str, Any] | None = None
     spilled: bool = False
+    reply_to: ReplyTo | None = None
 
     @property
     def num_sequences(self) -> int:

@@ -46,7 +46,7 @@ import httpx
 
 MODELS = ("smollm2", "gpt-oss-120b", "gpt-oss-20b")
 """Default order: SmolLM2 (the fault and equivalence checks), then the production shape, then 20b."""
-SECTION_COST_S = {"smollm2": 60, "gsm8k": 30, "fault": 60, "engine:smollm2": 40, "throughput_optimized": 90,
+SECTION_COST_S = {"smollm2": 60, "gsm8k": 30, "fault": 60, "engine:smollm2": 40, "throughput_optimized": 90, "ray_path": 60,
                   "gpt-oss-120b": 160, "engine:gpt-oss-120b": 100, "gpt-oss-20b": 100, "engine:gpt-oss-20b": 60,
                   "pytest": 90}
 """Rough device seconds of each section on an H200 (deploy + serving runs; the engine-direct runs after;
@@ -343,6 +343,33 @@ def throughput_optimized(recipe: Recipe) -> dict | None:
     res["serve"] = recipe.guarded("smollm2 (throughput-optimized): serve bench", serve_bench, recipe, base, "smollm2",
                                   facts["served"], vocab)
     res["breakdown"] = recipe.guarded("smollm2 (throughput-optimized): TTFT breakdown", ttft_breakdown, recipe, base,
+                                      "smollm2", facts["served"], vocab)
+    recipe.undeploy("smollm2")
+    if first.get("engine"):
+        res["engine"] = first["engine"]
+    res["table"] = overhead_rows(res)
+    return res
+
+
+def ray_path(recipe: Recipe) -> dict | None:
+    """SmolLM2 again on the same cluster with ``direct_stream=false`` (every chunk back through the replica
+    and Ray, as before the direct output streams): its serve bench and TTFT breakdown beside the first
+    SmolLM2 run's engine-direct numbers, as the model ``smollm2 (direct_stream off)``: the A/B of the
+    direct stream in one session."""
+    from ops.tools.model_shapes import shape_config
+
+    first = recipe.results["models"].get("smollm2") or {}
+    res: dict = {}
+    recipe.results["models"]["smollm2 (direct_stream off)"] = res
+    args, facts = app_args(recipe, "smollm2")
+    args["direct_stream"] = False
+    res["app"] = {k: v for k, v in args.items() if not k.startswith("tracing_") and k != "progress"}
+    vocab = shape_config(facts["shape"])["vocab_size"]
+    base, startup = recipe.deploy("smollm2", args)
+    res["startup_s"] = round(startup, 1)
+    res["serve"] = recipe.guarded("smollm2 (direct_stream off): serve bench", serve_bench, recipe, base, "smollm2",
+                                  facts["served"], vocab)
+    res["breakdown"] = recipe.guarded("smollm2 (direct_stream off): TTFT breakdown", ttft_breakdown, recipe, base,
                                       "smollm2", facts["served"], vocab)
     recipe.undeploy("smollm2")
     if first.get("engine"):
@@ -665,6 +692,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="print the Ray workers' logs too")
     p.add_argument("--no-throughput-optimized", dest="throughput_optimized", action="store_false",
                    help="skip the second SmolLM2 run under RAY_SERVE_THROUGHPUT_OPTIMIZED=1")
+    p.add_argument("--no-ray-path", dest="ray_path", action="store_false",
+                   help="skip the second SmolLM2 run with direct_stream=false (chunks back through Ray)")
     p.add_argument("--no-pytest", dest="pytest", action="store_false",
                    help="do not run tests/gpu/test_app_gpu.py at the end (it runs when the budget allows)")
     args = p.parse_args(argv)
@@ -692,6 +721,8 @@ def main(argv: list[str] | None = None) -> dict:
                 recipe.undeploy(model)
             except Exception:  # noqa: BLE001 - already deleted (normal) or never deployed
                 pass
+        if args.ray_path and "smollm2" in recipe.results["models"] and recipe.fits("ray_path"):
+            recipe.guarded("smollm2 (direct_stream off)", ray_path, recipe)
         if args.throughput_optimized and "smollm2" in recipe.results["models"] and recipe.fits("throughput_optimized"):
             recipe.guarded("smollm2 (throughput-optimized)", throughput_optimized, recipe)
     finally:

@@ -1,7 +1,8 @@
 """A real local Ray cluster running the real Serve app over real HTTP, shared by this folder's tests.
 
 Two applications are deployed once per session on one Serve instance:
-``/`` with ``--persistent-decoder auto`` and ``/off`` with ``--persistent-decoder off``,
+``/`` with ``--persistent-decoder auto`` and ``/off`` with ``--persistent-decoder off`` (and
+``direct_stream`` off, so its chunks come back through Ray),
 ``/gptoss`` (a tiny random GPT-OSS) and ``/harmony`` (the tiny GPT-OSS trained to answer in
 harmony form, :mod:`ops.tools.make_tiny_harmony_model`; built once and cached).
 Tracing goes over OTLP/HTTP to a real receiver started here. Ray's metrics
@@ -71,7 +72,9 @@ def server(otlp, tiny_gpt_oss, tiny_harmony_model):
     common = {"max_model_len": 1024, "num_kv_blocks": 256, "tracing_exporter": "otlp",
               "tracing_endpoint": otlp.endpoint, "progress": False}
     serve.run(build_app({**common, "persistent_decoder": "auto"}), name="auto", route_prefix="/")
-    serve.run(build_app({**common, "persistent_decoder": "off"}), name="off", route_prefix="/off")
+    # /off also sends every chunk back through Ray (direct_stream off): that path stays tested
+    serve.run(build_app({**common, "persistent_decoder": "off", "direct_stream": False}), name="off",
+              route_prefix="/off")
     serve.run(build_app({**common, "model": str(tiny_gpt_oss), "served_model_name": "tiny-gpt-oss",
                          "max_model_len": 512, "num_kv_blocks": 64}), name="gptoss", route_prefix="/gptoss")
     from ops.tools.make_tiny_harmony_model import TRAIN_DATE

@@ -97,6 +97,44 @@ def test_lanes_give_identical_greedy_text(client):
     assert persistent.choices[0].message.content == standard.choices[0].message.content
 
 
+def test_output_comes_over_the_direct_stream_and_matches_the_ray_path(server):
+    """On ``/`` (``direct_stream`` on) both lanes' chunks come over the engines' direct streams once the
+    engines are connected (the router counts such dispatches, each engine reports its connection);
+    ``/off`` sends them back through Ray (``direct_stream`` off there), and the greedy text is the same."""
+    import json
+
+    from tests.deployments.conftest import pool_stats
+
+    def text(base: str, lane: str | None) -> str:
+        body = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 24, "ignore_eos": True,
+                "stream": True}
+        out = []
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120,
+                          headers={"x-lane": lane} if lane else {}) as r:
+            assert r.status_code == 200 and r.headers["x-lane"] == (lane or "standard")
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choices = json.loads(line[6:])["choices"]
+                    out += [c["delta"].get("content") or "" for c in choices]
+        return "".join(out)
+
+    before = pool_stats(server)["router"]["direct_stream"]
+    assert before["enabled"] is True
+    texts = {lane: [text(server, lane) for _ in range(3)] for lane in ("persistent", "standard")}
+    after = pool_stats(server)
+    direct = after["router"]["direct_stream"]
+    # the first dispatch to an engine that has no connection yet goes through Ray and starts the connect
+    assert direct["dispatches"] - before["dispatches"] >= 4, (before, direct)
+    assert direct["connections"] >= 2 and direct["refused"] == 0
+    for lane in ("persistent", "standard"):
+        assert all(e["direct_streams"]["connected"] >= 1 for e in after[lane]["engines"]), after[lane]
+    off = pool_stats(f"{server}/off")
+    assert off["router"]["direct_stream"] == {"enabled": False, "dispatches": 0}
+    ray_path = text(f"{server}/off", None)
+    assert len({*texts["persistent"], *texts["standard"], ray_path}) == 1, (texts, ray_path)
+    assert off["standard"]["engines"][0]["direct_streams"]["connected"] == 0
+
+
 def test_completions_endpoint_streams(client):
     stream = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
                                        temperature=0, stream=True)
