@@ -48,10 +48,11 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.from_args(args)
     if config.colocated_enabled:  # one deployment, both lanes: the router calls its two entries
         both = _pool(ColocatedReplica, config, config.standard_pool, extra_ongoing=1)
-        return OpenAIIngress.options(ray_actor_options={"num_cpus": REPLICA_CPUS}).bind(config, both, both)
+        return OpenAIIngress.options(ray_actor_options={"num_cpus": REPLICA_CPUS}, num_replicas=config.ingress_replicas,
+                                     health_check_period_s=INGRESS_HEALTH_CHECK_S).bind(config, both, both)
     standard = _pool(StandardReplica, config, config.standard_pool)
     persistent = _pool(PersistentReplica, config, config.persistent_pool) if config.persistent_enabled else None
-    return OpenAIIngress.options(ray_actor_options={"num_cpus": REPLICA_CPUS},
+    return OpenAIIngress.options(ray_actor_options={"num_cpus": REPLICA_CPUS}, num_replicas=config.ingress_replicas,
                                  health_check_period_s=INGRESS_HEALTH_CHECK_S).bind(config, persistent, standard)
 
 

@@ -69,6 +69,11 @@ class AppConfig(BaseModel):
         "the standard_pool options (one more ongoing request, for the persistent lane); persistent_pool is "
         "unused. Needs persistent-decoder auto or required (off deploys the standard pool alone).",
     )
+    ingress_replicas: int = Field(
+        1, ge=1, description="Ingress replicas (HTTP, templates, the router; like vLLM's --api-server-count): "
+        "each one's CPU turns about 1,000 streamed tokens a second into SSE (docs/benchmarks.md), so many "
+        "concurrent streams need several. Serve's proxy spreads requests over them; each has its own router.",
+    )
     direct_stream: bool = Field(
         True, description="Engines send each request's output straight to the ingress process that reads it, "
         "over one TCP connection per engine and ingress (docs/architecture.md, Direct output streams), instead "

@@ -46,7 +46,7 @@ import httpx
 
 MODELS = ("smollm2", "gpt-oss-120b", "gpt-oss-20b")
 """Default order: SmolLM2 (the fault and equivalence checks), then the production shape, then 20b."""
-SECTION_COST_S = {"smollm2": 60, "gsm8k": 30, "fault": 60, "engine:smollm2": 40, "throughput_optimized": 90, "ray_path": 60,
+SECTION_COST_S = {"smollm2": 60, "gsm8k": 30, "fault": 60, "engine:smollm2": 40, "throughput_optimized": 90, "variant": 60,
                   "gpt-oss-120b": 160, "engine:gpt-oss-120b": 100, "gpt-oss-20b": 100, "engine:gpt-oss-20b": 60,
                   "pytest": 90}
 """Rough device seconds of each section on an H200 (deploy + serving runs; the engine-direct runs after;
@@ -351,26 +351,36 @@ def throughput_optimized(recipe: Recipe) -> dict | None:
     return res
 
 
-def ray_path(recipe: Recipe) -> dict | None:
-    """SmolLM2 again on the same cluster with ``direct_stream=false`` (every chunk back through the replica
-    and Ray, as before the direct output streams): its serve bench and TTFT breakdown beside the first
-    SmolLM2 run's engine-direct numbers, as the model ``smollm2 (direct_stream off)``: the A/B of the
-    direct stream in one session."""
+VARIANTS = {
+    "direct_stream off": ({"direct_stream": False}, True),
+    "4 ingress replicas": ({"ingress_replicas": 4}, False),
+}
+"""SmolLM2 served again on the same cluster with these app settings: ``label: (overrides, TTFT breakdown
+too)``. ``direct_stream off`` sends every chunk back through the replica and Ray (as before the direct
+output streams: their A/B in one session); ``4 ingress replicas`` spreads the streams' per-token CPU over
+four ingress processes (the standard lane's c=8/c=32 ceiling)."""
+
+
+def variant(recipe: Recipe, label: str) -> dict | None:
+    """SmolLM2 with :data:`VARIANTS` ``[label]``: its serve bench (and TTFT breakdown) beside the first SmolLM2
+    run's engine-direct numbers, as the model ``smollm2 (<label>)``."""
     from ops.tools.model_shapes import shape_config
 
+    overrides, with_breakdown = VARIANTS[label]
     first = recipe.results["models"].get("smollm2") or {}
     res: dict = {}
-    recipe.results["models"]["smollm2 (direct_stream off)"] = res
+    name = f"smollm2 ({label})"
+    recipe.results["models"][name] = res
     args, facts = app_args(recipe, "smollm2")
-    args["direct_stream"] = False
+    args.update(overrides)
     res["app"] = {k: v for k, v in args.items() if not k.startswith("tracing_") and k != "progress"}
     vocab = shape_config(facts["shape"])["vocab_size"]
     base, startup = recipe.deploy("smollm2", args)
     res["startup_s"] = round(startup, 1)
-    res["serve"] = recipe.guarded("smollm2 (direct_stream off): serve bench", serve_bench, recipe, base, "smollm2",
-                                  facts["served"], vocab)
-    res["breakdown"] = recipe.guarded("smollm2 (direct_stream off): TTFT breakdown", ttft_breakdown, recipe, base,
-                                      "smollm2", facts["served"], vocab)
+    res["serve"] = recipe.guarded(f"{name}: serve bench", serve_bench, recipe, base, "smollm2", facts["served"], vocab)
+    if with_breakdown:
+        res["breakdown"] = recipe.guarded(f"{name}: TTFT breakdown", ttft_breakdown, recipe, base, "smollm2",
+                                          facts["served"], vocab)
     recipe.undeploy("smollm2")
     if first.get("engine"):
         res["engine"] = first["engine"]
@@ -692,8 +702,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="print the Ray workers' logs too")
     p.add_argument("--no-throughput-optimized", dest="throughput_optimized", action="store_false",
                    help="skip the second SmolLM2 run under RAY_SERVE_THROUGHPUT_OPTIMIZED=1")
-    p.add_argument("--no-ray-path", dest="ray_path", action="store_false",
-                   help="skip the second SmolLM2 run with direct_stream=false (chunks back through Ray)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated SmolLM2 variants to serve after the SmolLM2 run (VARIANTS; '' for none)")
     p.add_argument("--no-pytest", dest="pytest", action="store_false",
                    help="do not run tests/gpu/test_app_gpu.py at the end (it runs when the budget allows)")
     args = p.parse_args(argv)
@@ -721,8 +731,9 @@ def main(argv: list[str] | None = None) -> dict:
                 recipe.undeploy(model)
             except Exception:  # noqa: BLE001 - already deleted (normal) or never deployed
                 pass
-        if args.ray_path and "smollm2" in recipe.results["models"] and recipe.fits("ray_path"):
-            recipe.guarded("smollm2 (direct_stream off)", ray_path, recipe)
+        for label in (args.variants.split(",") if args.variants else []):
+            if "smollm2" in recipe.results["models"] and recipe.fits("variant"):
+                recipe.guarded(f"smollm2 ({label})", variant, recipe, label)
         if args.throughput_optimized and "smollm2" in recipe.results["models"] and recipe.fits("throughput_optimized"):
             recipe.guarded("smollm2 (throughput-optimized)", throughput_optimized, recipe)
     finally:
