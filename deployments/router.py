@@ -253,16 +253,7 @@ class Router:
             return
         key = request.reply_to.key
         pump = asyncio.ensure_future(_pump(ray_items, queue))
-        open_choices = request.params.n
         ended, expected, got, ray_ended = False, None, 0, False
-
-        def last(item) -> bool:  # does ``item`` end the dispatch (every choice finished, or an error)?
-            nonlocal open_choices
-            if isinstance(item, GenerationChunk):
-                open_choices -= item.finish_reason is not None
-                return open_choices <= 0
-            return not isinstance(item, Started)
-
         try:
             while not ended:
                 if ray_ended:
@@ -287,7 +278,8 @@ class Router:
                         expected = item.items
                         ended = got >= expected
                         continue
-                    ended = last(item)
+                    # a rejection or an error ends it; chunks through Ray (no connection yet) end with the Ray call
+                    ended = isinstance(item, (Rejection, GenerationError))
                     yield item
                 else:
                     items, final = entry

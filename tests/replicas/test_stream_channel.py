@@ -20,6 +20,14 @@ async def _connected(senders: StreamSenders, reply_to: ReplyTo, timeout_s: float
     return channel
 
 
+async def _send_until_refused(channel, key: str, tries: int) -> None:
+    """Keep writing frames until the channel sees its connection closed (fails if it never does)."""
+    with pytest.raises(ConnectionError):
+        for _ in range(tries):
+            await channel.send(key, [GenerationChunk("r")], False)
+            await asyncio.sleep(0.02)
+
+
 def test_frames_reach_their_dispatch_in_order_and_unknown_keys_are_dropped():
     async def run():
         listener = StreamListener("127.0.0.1")
@@ -65,13 +73,10 @@ def test_a_connection_with_a_wrong_token_is_refused_before_any_frame_is_read():
         senders.channel(forged)
         await asyncio.sleep(0.2)
         channel = senders.channel(forged)
-        if channel is not None:  # connected before the refusal: its frame must not arrive
-            with pytest.raises(ConnectionError):
-                for _ in range(50):
-                    await channel.send(reply_to.key, [GenerationChunk("x")], True)
-                    await asyncio.sleep(0.02)
+        if channel is not None:  # connected before the refusal: its frames must not arrive
+            await _send_until_refused(channel, reply_to.key, 50)
         await asyncio.sleep(0.1)
-        assert queue.empty()
+        assert queue.empty() and listener.stats()["refused"] >= 2
         await listener.stop()
 
     asyncio.run(run())
@@ -89,10 +94,7 @@ def test_a_sender_sees_the_listener_go_away_and_falls_back_to_ray():
         for task in asyncio.all_tasks():
             if "StreamListener._serve" in repr(task.get_coro()):
                 task.cancel()
-        with pytest.raises(ConnectionError):
-            for _ in range(100):
-                await channel.send(reply_to.key, [GenerationChunk("r")], False)
-                await asyncio.sleep(0.02)
+        await _send_until_refused(channel, reply_to.key, 100)
         assert senders.channel(reply_to) is None  # next dispatch: through Ray, reconnect attempted
         assert senders.stats()["connected"] == 0
 
