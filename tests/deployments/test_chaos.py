@@ -297,10 +297,16 @@ def test_kill_a_standard_replica_under_16_streams_fails_only_its_requests(chaos)
     holding = sum(e["holding"] for e in engines)
     assert streams - ended_before - maybe_ended <= holding <= streams - ended_before, (
         holding, ended_before, maybe_ended, engines)
+    # Serve's back-pressure may refuse a few of the burst's requests before they reach a replica (more than
+    # max_queued_requests waiting for a slot at one moment): a 503 with Retry-After, on no engine
+    refused = [r for r in results if r.get("status") == 503]
+    assert all(r["retry_after"] and not r["chunks"] and r["error"] is None for r in refused), refused
+    admitted = streams - len(refused)
     failed = [r for r in results if r["error"] is not None]
     completed = [r for r in results if r["finish"] == "length" and r["error"] is None]
     assert len(failed) == victim["holding"], (len(failed), victim["holding"], engines)
-    assert len(completed) == streams - victim["holding"]  # every request on the other replica finished
+    assert len(completed) == admitted - victim["holding"], (results, engines)  # the other replica's all finished
+    assert len(completed) >= 1 and admitted >= streams // 2, (len(completed), admitted)
     for r in failed:
         assert r["error"]["code"] == "replica_died" and r["done"] and r["transport"] is None, r
         assert r["error_at"] - killed_at < ERROR_BOUND_S
@@ -309,7 +315,7 @@ def test_kill_a_standard_replica_under_16_streams_fails_only_its_requests(chaos)
     replaced_after = time.monotonic() - killed_at
     assert _chat(base, temperature=0.7).status_code == 200
     RESULTS["standard_replica_kill"] = {
-        "streams": streams, "on_killed_replica": victim["holding"], "failed": len(failed),
+        "streams": streams, "refused_503": len(refused), "on_killed_replica": victim["holding"], "failed": len(failed),
         "completed": len(completed), "error_events_after_s": round(max(r["error_at"] for r in failed) - killed_at, 2),
         "replaced_after_s": round(replaced_after, 1)}
     print("\nchaos:", json.dumps({"standard_replica_kill": RESULTS["standard_replica_kill"]}))
