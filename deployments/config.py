@@ -71,8 +71,9 @@ class AppConfig(BaseModel):
     )
     ingress_replicas: int = Field(
         1, ge=1, description="Ingress replicas (HTTP, templates, the router; like vLLM's --api-server-count): "
-        "each one's CPU turns about 1,000 streamed tokens a second into SSE (docs/benchmarks.md), so many "
-        "concurrent streams need several. Serve's proxy spreads requests over them; each has its own router.",
+        "each one spends about 0.5 ms of CPU per streamed token (about 2,000 tokens a second; docs/benchmarks.md, "
+        "Fourth run on the H200), so many concurrent streams need several. Serve's proxy spreads requests over "
+        "them; each has its own router, which reaches the pools before its first request is routed.",
     )
     direct_stream: bool = Field(
         True, description="Engines send each request's output straight to the ingress process that reads it, "

@@ -96,18 +96,26 @@ def _live_engine_actors(lane: str, app: str) -> list:
     return out
 
 
-async def engine_actor_stats(lane: str, app: str, timeout_s: float = STATS_TIMEOUT_S) -> list[dict]:
+async def engine_actor_stats(lane: str, app: str, timeout_s: float = STATS_TIMEOUT_S,
+                             actors: list | None = None) -> list[dict]:
     """``stats()`` of every live engine actor of ``lane`` in ``app``, read from the actors directly.
 
     Not through the Serve handle: a persistent replica holds one request at a
     time (``max_ongoing_requests=1``), so a stats call would queue behind it.
     An actor dying meanwhile is skipped, and so is one that does not answer within
     ``timeout_s`` seconds (an engine still loading its model answers only once loaded).
+    ``actors``: these handles (from :func:`engine_actors`) instead of a fresh GCS look-up.
     """
-    actors = await asyncio.to_thread(_live_engine_actors, lane, app)
+    if actors is None:
+        actors = await engine_actors(lane, app)
     results = await asyncio.gather(*(asyncio.wait_for(_ask_stats(a), timeout_s) for a in actors),
                                    return_exceptions=True)
     return [r for r in results if isinstance(r, dict)]  # a dead, restarting or loading actor is skipped
+
+
+async def engine_actors(lane: str, app: str) -> list:
+    """Handles of ``app``'s live engine actors of ``lane`` (the GCS look-up runs in a worker thread)."""
+    return await asyncio.to_thread(_live_engine_actors, lane, app)
 
 
 async def _ask_stats(actor) -> dict:

@@ -98,6 +98,12 @@ _REPLICA_FAILURES = (RayActorError, ReplicaUnavailableError, DeploymentUnavailab
 
 POOL_REFRESH_S = 1.0
 """Seconds between the router's reads of the persistent engines (replica count, busy, healthy)."""
+POOL_RECHECK_S = 0.05
+"""A view of the persistent engines older than this that shows them busy with other routers' requests is
+read again before an eligible request spills (``Router._persistent``): another router's request may have
+ended since, and only the 1 s poll would tell."""
+POOL_RECHECK_TIMEOUT_S = 0.25
+"""How long that second read may take; past it the request goes by the view it has."""
 READY_PROBE_TIMEOUT_S = 2.0
 """How long one readiness probe (a ``ping`` through a pool's handle) may take; past it ``/health`` answers
 503 and the next call probes again."""
@@ -151,6 +157,7 @@ class Router:
         self.dispatching = 0
         self.spillovers = 0
         self.overloaded = 0
+        self.pool_rechecks = 0  # second reads of the persistent engines before a spill (POOL_RECHECK_S)
         self.served = {Lane.PERSISTENT.value: 0, Lane.STANDARD.value: 0}
         """Requests whose output came from each lane (counted at their first chunk)."""
         self.caller = _this_actor()
@@ -160,10 +167,13 @@ class Router:
         self._unsupported_until = 0.0
         # the persistent pool as last read from its engines: (replicas, running there, ours running then)
         self._pool: tuple[int, int, int] | None = None
+        self._pool_read_at = 0.0  # time.monotonic() of the read behind _pool
+        self._engine_actors: list | None = None  # the persistent engines' handles, from the last full read
         self._poller: asyncio.Task | None = None
         self._pools_needed = ["standard"] + (["persistent"] if persistent is not None and wait_for_persistent else [])
         self._reached: set[str] = set()
         self._probe_lock = asyncio.Lock()
+        self._first_probe: asyncio.Future | None = None  # the one probe a request waits for (first_requests_probe)
         self.direct_stream = direct_stream
         self._listener: StreamListener | None = None
         self._listener_lock = asyncio.Lock()
@@ -186,6 +196,7 @@ class Router:
                   **(self._listener.stats() if self._listener is not None else {})}
         return {"persistent_in_flight": self.in_flight, "spillovers": self.spillovers, "direct_stream": direct,
                 "overloaded": self.overloaded, "served": dict(self.served), "persistent_replicas_seen": replicas,
+                "pool_rechecks": self.pool_rechecks,
                 "persistent_free": self._free_replicas(), "estimates": self.estimator.snapshot()}
 
     # ---- readiness and the persistent pool's view ----------------------------------------
@@ -209,6 +220,24 @@ class Router:
                 self._reached.add(name)
             self._ensure_poller()
             return missing
+
+    async def _first_requests_probe(self) -> None:
+        """Before this router's first requests: reach the pools once (:meth:`missing_pools`), unless
+        ``/health`` on this ingress already reached them all. With several ingress replicas, ``/health``
+        answered by one of them says nothing of the others' routers, and a router whose persistent handle has
+        not resolved its replicas would spill a first greedy request to the standard lane. Requests arriving
+        meanwhile share that one probe (each missing pool's ping waits at most ``READY_PROBE_TIMEOUT_S``, so
+        a pool that is not up costs the first requests that much once); after it, reached or not, nobody
+        waits for it again."""
+        if self._first_probe is None:
+            if len(self._reached) == len(self._pools_needed):
+                self._first_probe = asyncio.get_running_loop().create_future()
+                self._first_probe.set_result([])
+                return
+            self._first_probe = asyncio.ensure_future(self.missing_pools())
+        if not self._first_probe.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._first_probe)
 
     async def _ensure_listener(self) -> None:
         """Start this router's direct-stream listener on its node's address (once; off: never)."""
@@ -306,20 +335,32 @@ class Router:
                 pass
             await asyncio.sleep(POOL_REFRESH_S)
 
-    async def _refresh_pool(self) -> None:
-        """Read the persistent engines: how many are healthy and how many of them are busy."""
+    async def _refresh_pool(self, recheck: bool = False) -> None:
+        """Read the persistent engines: how many are healthy and how many of them are busy. ``recheck``:
+        ask the engines of the last full read again, without the GCS look-up (the request path)."""
         if self.app_name is None:
             return
-        from deployments.replicas import STATS_TIMEOUT_S, engine_actor_stats
+        from deployments.replicas import STATS_TIMEOUT_S, engine_actor_stats, engine_actors
 
-        before = self.in_flight
-        engines = await engine_actor_stats(self.engine_lane, self.app_name, STATS_TIMEOUT_S)
+        before, read_at = self.in_flight, time.monotonic()
+        if not recheck or self._engine_actors is None:
+            self._engine_actors = await engine_actors(self.engine_lane, self.app_name)
+        engines = await engine_actor_stats(self.engine_lane, self.app_name, STATS_TIMEOUT_S, self._engine_actors)
         lanes = [e.get("lanes", {}).get("persistent", e) for e in engines]
         healthy = [e for e in lanes if e.get("decoder_healthy", True)]
         # ours that the engines may count: a request of ours started during the read would otherwise count
         # twice (as another router's and as ours) and hide a free replica for up to POOL_REFRESH_S
         mine = max(before, self.in_flight)
         self._pool = (len(healthy), sum(int(e.get("running", 0)) for e in healthy), mine)
+        self._pool_read_at = read_at
+
+    def _busy_view_is_stale(self) -> bool:
+        """The last read showed other routers' requests on the persistent engines and is older than
+        ``POOL_RECHECK_S``."""
+        if self._pool is None:
+            return False
+        replicas, running, mine_then = self._pool
+        return running > mine_then and time.monotonic() - self._pool_read_at > POOL_RECHECK_S
 
     def _free_replicas(self) -> int | None:
         """Persistent replicas believed free now: those last seen, less this router's requests (running
@@ -387,6 +428,7 @@ class Router:
         """
         self._ensure_poller()
         await self._ensure_listener()
+        await self._first_requests_probe()
         decision = self.decide(request)
         span = get_tracer().start_span(SPAN_ROUTE, context=parent, attributes={
             ATTR_LANE: decision.lane.value, "mode": self.mode.value, "request.id": request.request_id,
@@ -473,6 +515,11 @@ class Router:
         """Try the persistent lane: yields its items, then one :class:`_Outcome` (served there, or
         go standard: spilled for capacity or fell back after a rejection)."""
         wait_s = self._wait_budget()
+        if wait_s is None and self._busy_view_is_stale():  # busy with others' work, as of a while ago: look again
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._refresh_pool(recheck=True), POOL_RECHECK_TIMEOUT_S)
+            self.pool_rechecks += 1
+            wait_s = self._wait_budget()
         stream, started = None, time.monotonic()
         if wait_s is not None:
             self.dispatching += 1
