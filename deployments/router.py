@@ -231,8 +231,6 @@ class Router:
         waits for it again."""
         if self._first_probe is None:
             if len(self._reached) == len(self._pools_needed):
-                self._first_probe = asyncio.get_running_loop().create_future()
-                self._first_probe.set_result([])
                 return
             self._first_probe = asyncio.ensure_future(self.missing_pools())
         if not self._first_probe.done():
@@ -359,7 +357,7 @@ class Router:
         ``POOL_RECHECK_S``."""
         if self._pool is None:
             return False
-        replicas, running, mine_then = self._pool
+        _, running, mine_then = self._pool
         return running > mine_then and time.monotonic() - self._pool_read_at > POOL_RECHECK_S
 
     def _free_replicas(self) -> int | None:
