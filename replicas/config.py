@@ -56,6 +56,14 @@ class EngineConfig(BaseModel):
         "replicas/kernels/moe/grouped_gemm.py); false keeps the torch reference attention and dequantizes each "
         "routed expert, e.g. to compare the two. Resolved at load, shown in /debug/stats.",
     )
+    batch_invariant: bool = Field(
+        False, description="On a GPU, run every op through row-exact kernels (replicas/kernels/row_exact_gemm.py, "
+        "the grouped MoE GEMMs at a fixed M-block height, decode attention at a fixed split count) and keep "
+        "decode rows and prompt tokens in separate forwards, so that a greedy request's tokens depend on its "
+        "prompt alone: the same on both lanes, alone or among other requests, prefilled whole or in chunks "
+        "(docs/exactness.md, with what it costs). Needs prefill_kernels. The CPU path (fp32 references) is "
+        "batch-independent already and ignores it. Resolved at load, shown in /debug/stats.",
+    )
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's own).")
     progress: bool = Field(True, description="Show progress bars while loading.")
     load_format: Literal["auto", "dummy"] = Field(
@@ -123,7 +131,8 @@ class EngineConfig(BaseModel):
         """The kernel settings :func:`replicas.models.registry.load_model` passes to
         :meth:`replicas.kernels.decode_ops.DecodeOps.build`."""
         return {"pdl": self.pdl, "moe_backend": self.moe_backend, "moe_repack": self.moe_repack,
-                "moe_tiles": dict(self.moe_tiles), "prefill_kernels": self.prefill_kernels}
+                "moe_tiles": dict(self.moe_tiles), "prefill_kernels": self.prefill_kernels,
+                "batch_invariant": self.batch_invariant}
 
     def resolved_num_kv_blocks(self) -> int:
         return self.num_kv_blocks or 4 * -(-self.max_model_len // PAGE_SIZE)

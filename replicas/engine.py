@@ -110,7 +110,8 @@ class EngineCore:
             allocator=PageAllocator(kv.num_blocks, enable_prefix_caching=enable_prefix_caching),
             runner=ModelRunner(model, kv.planes(), device, graphs=decode_graphs(config, model, kv, device),
                                inputs=step_inputs(config, device),
-                               kernels=bool(getattr(getattr(model, "ops", None), "prefill_kernels", False))),
+                               kernels=bool(getattr(getattr(model, "ops", None), "prefill_kernels", False)),
+                               batch_invariant=bool(getattr(getattr(model, "ops", None), "batch_invariant", False))),
             eos_token_ids=eos_token_ids,
         )
 

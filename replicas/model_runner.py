@@ -62,16 +62,21 @@ class ModelRunner:
         kernels: the model's resolved ``DecodeOps.prefill_kernels`` (engine config ``prefill_kernels`` on a
             GPU with Triton): the Triton prefill attention serves the eager forward (each forward's
             ``AttentionMetadata.kernels``); False keeps the torch reference path.
+        batch_invariant: the model's resolved ``DecodeOps.batch_invariant``: decode rows (a generated token,
+            the prompt already in the cache) always run the model's ``decode_static`` (a graph or eagerly) and
+            prompt tokens the eager forward, in separate forwards when a step mixes them, so each kind always
+            meets the same row-exact kernels (``docs/exactness.md``).
     """
 
     def __init__(self, model: torch.nn.Module, kv_planes, device: torch.device | str, graphs=None,
-                 inputs=None, kernels: bool = False):
+                 inputs=None, kernels: bool = False, batch_invariant: bool = False):
         self.model = model
         self.kv_planes = kv_planes
         self.device = device
         self.graphs = graphs
         self.inputs = inputs
         self.kernels = kernels
+        self.batch_invariant = batch_invariant
 
     @torch.inference_mode()
     def execute(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
@@ -80,6 +85,8 @@ class ModelRunner:
         Returns:
             ``[len(batch), vocab]`` fp32 logits of each request's last new token.
         """
+        if self.batch_invariant:
+            return self._execute_split(batch)
         tensors = self.inputs is not None and self.inputs.fits(batch)
         if self.graphs is not None:
             size = self.graphs.bucket(batch)
@@ -94,6 +101,47 @@ class ModelRunner:
                 if tensors:
                     return self.model(input_ids, meta, self.kv_planes)
         if tensors:
+            input_ids, meta = self.inputs.build(batch, self.kernels)
+        else:
+            input_ids, meta = build_metadata(batch, self.device)
+            meta.kernels = self.kernels
+        return self.model(input_ids, meta, self.kv_planes)
+
+    def _execute_split(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
+        """:meth:`execute` with decode rows and prompt tokens in separate forwards (``batch_invariant``)."""
+        decode = [i for i, (req, n) in enumerate(batch) if n == 1 and req.prefill_done]
+        if len(decode) == len(batch):
+            return self._decode_static(batch)
+        if not decode:
+            return self._eager(batch)
+        rest = sorted(set(range(len(batch))) - set(decode))
+        dec = self._decode_static([batch[i] for i in decode])
+        pre = self._eager([batch[i] for i in rest])
+        out = torch.empty(len(batch), dec.shape[1], dtype=torch.float32, device=dec.device)
+        out[torch.tensor(decode, device=dec.device)] = dec
+        out[torch.tensor(rest, device=dec.device)] = pre
+        return out
+
+    def _decode_static(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
+        """Fp32 logits ``[len(batch), vocab]`` of a pure-decode batch through the model's ``decode_static``:
+        a bucket's CUDA graph when one serves it, else eagerly."""
+        if self.graphs is not None:
+            size = self.graphs.bucket(batch)
+            if size is not None:
+                logits = self.graphs.run(batch, size)
+                if logits is not None:
+                    return logits
+        width = max(len(req.block_table) for req, _ in batch)
+        table = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, (req, _) in enumerate(batch):
+            table[i, :len(req.block_table)] = torch.tensor(req.block_table, dtype=torch.long)
+        tokens = torch.tensor([req.all_token_ids[req.num_computed_tokens] for req, _ in batch], dtype=torch.long)
+        positions = torch.tensor([req.num_computed_tokens for req, _ in batch], dtype=torch.long)
+        dev = self.device
+        return self.model.decode_static(tokens.to(dev), positions.to(dev), table.to(dev), self.kv_planes).float()
+
+    def _eager(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
+        if self.inputs is not None and self.inputs.fits(batch):
             input_ids, meta = self.inputs.build(batch, self.kernels)
         else:
             input_ids, meta = build_metadata(batch, self.device)

@@ -50,6 +50,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -83,6 +84,7 @@ class Settings:
     check_experts = 32
     moe_check_tokens = (1, 17, 300, 2000)
     lanes = (20, 128, 64)  # prompts, tokens, concurrency
+    engine: dict = {}  # engine config fields of the model parts (--engine)
 
     @classmethod
     def make_smoke(cls) -> None:
@@ -116,6 +118,7 @@ class Report:
         self.sections: list[tuple[str, list[str]]] = []
         self.rows: dict[str, list[dict]] = {}
         self.errors: list[str] = []
+        self.studies: dict[str, list[dict]] = {}
         self.t0 = time.perf_counter()
         self.budget_s = budget_s
 
@@ -142,6 +145,22 @@ class Report:
         self.errors.append(text)
         print(text, flush=True)
         self.write()
+
+    def study(self, name: str, rows: list[dict]) -> None:
+        """Write ``OUT/<name>.json``: one benchmark result (``study``, ``command``, ``machine``, ``git_commit``
+        (``$GIT_COMMIT``, else ``git rev-parse HEAD``), ``date``, ``rows``), the file ``benchmarks/results/``
+        keeps. Rows of one study accumulate over the run."""
+        self.studies.setdefault(name, []).extend(rows)
+        commit = os.environ.get("GIT_COMMIT")
+        if not commit:
+            try:
+                commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                        check=True).stdout.strip()
+            except (OSError, subprocess.CalledProcessError):
+                commit = "unknown"
+        doc = {"study": name, "command": self.command, "machine": machine(), "git_commit": commit,
+               "date": time.strftime("%Y-%m-%d"), "rows": self.studies[name]}
+        (self.out / f"{name}.json").write_text(json.dumps(doc, indent=1, default=str))
 
     def markdown(self) -> str:
         head = [f"Command: `{self.command}`", f"Machine: {machine()}", ""]
@@ -710,7 +729,8 @@ def part_model(rep: Report, args, shape: str) -> None:
     t0 = time.perf_counter()
     core = build_core(raw, torch.device(S.device), S.dtype, max_len,
                       {"num_kv_blocks": blocks, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
-                       "enable_prefix_caching": True})
+                       "enable_prefix_caching": True, **S.engine})
+    invariant = bool(S.engine.get("batch_invariant", False))
     vocab = raw["vocab_size"]
     build_s = time.perf_counter() - t0
     mem = torch.cuda.memory_allocated() / 2**30 if S.device == "cuda" else 0.0
@@ -736,6 +756,9 @@ def part_model(rep: Report, args, shape: str) -> None:
                 std = statistics.median(ttft_standard(core, random_prompt(vocab, n, 200 + r))
                                         for r in range(args.reps))
                 rows.append([n, pers, std, comp, byt, max(comp, byt) / min(pers, std)])
+                rep.study("batch_one", [{"shape": shape, "lane": lane, "ttft_ms": ms, "tpot_ms": None,
+                                         "prompt_tokens": n, "batch_invariant": invariant}
+                                        for lane, ms in (("persistent", pers), ("standard", std))])
             except Exception as exc:  # noqa: BLE001 - the other lengths still run
                 rep.error(f"{shape}/TTFT {n} tokens", exc)
                 rows.append([n, float("nan"), float("nan"), comp, byt, f"failed: {type(exc).__name__}"])
@@ -772,7 +795,7 @@ def part_model(rep: Report, args, shape: str) -> None:
                   "ran a 16-token prefill first: the first forward of at most 16 tokens in a process compiles the "
                   "decode MoE kernels (NVRTC), which a repeat measured before it would pay.")
         if sweep:
-            _sweep(rep, args, core)
+            _sweep(rep, args, core, shape, invariant)
     finally:
         del core
         import gc
@@ -782,7 +805,7 @@ def part_model(rep: Report, args, shape: str) -> None:
             torch.cuda.empty_cache()
 
 
-def _sweep(rep: Report, args, core) -> None:
+def _sweep(rep: Report, args, core, shape: str = "gpt-oss-120b", invariant: bool = False) -> None:
     graphs = core.runner.graphs
     t0 = time.perf_counter()
     if graphs is not None:
@@ -810,6 +833,10 @@ def _sweep(rep: Report, args, core) -> None:
                 rows.append([c] + [float("nan")] * 7 + [f"failed: {type(exc).__name__}"])
                 break
             last_s = rows[-1][7]
+            r = rows[-1]
+            rep.study("standard_sweep", [{"shape": shape, "concurrency": c, "decode_step_ms": r[4],
+                                          "step_floor_ms": r[5], "output_tok_s": r[1], "itl_median_ms": r[2],
+                                          "batch_invariant": invariant}])
     finally:
         core.runner.execute = execute
     failed = sorted(graphs._failed) if graphs else None
@@ -942,7 +969,8 @@ SMALL_GPT_OSS = {
 }
 
 
-def lanes_agreement(dtype=torch.float32, prompts_n: int = 20, tokens: int = 128, concurrency: int = 64) -> dict:
+def lanes_agreement(dtype=torch.float32, prompts_n: int = 20, tokens: int = 128, concurrency: int = 64,
+                    batch_invariant: bool = False) -> dict:
     """Greedy tokens of a small random GPT-OSS: the standard lane (all prompts at once; new prefill kernels,
     decode graphs past 16 sequences) against the persistent lane (``cuda_graph`` backend), and the standard
     lane at ``concurrency`` against the same requests one at a time. Returns the counts."""
@@ -956,7 +984,8 @@ def lanes_agreement(dtype=torch.float32, prompts_n: int = 20, tokens: int = 128,
     from replicas.scheduler import SchedulerConfig
 
     core = build_core({**real_config("20b"), **SMALL_GPT_OSS}, torch.device(S.device), dtype, 512,
-                      {"num_kv_blocks": concurrency * 32 + 64, "max_num_seqs": 256})
+                      {"num_kv_blocks": concurrency * 32 + 64, "max_num_seqs": 256,
+                       "batch_invariant": batch_invariant})
     core.model.lm_head.weight.data.mul_(20)  # spread the random logits: wide argmax margins
     g = torch.Generator().manual_seed(7)
     vocab = SMALL_GPT_OSS["vocab_size"]
@@ -1003,14 +1032,23 @@ def lanes_agreement(dtype=torch.float32, prompts_n: int = 20, tokens: int = 128,
 def part_lanes(rep: Report, args) -> None:
     rows = []
     n, tokens, c = S.lanes
-    for dtype in (torch.float32,) if S.smoke else (torch.float32, torch.bfloat16):
+    runs = [(torch.float32, False)] if S.smoke else [(torch.float32, False), (torch.bfloat16, False),
+                                                      (torch.bfloat16, True)]
+    for dtype, invariant in runs:
+        name = str(dtype).removeprefix("torch.") + (" batch_invariant" if invariant else "")
         if rep.left() < 40:
-            rows.append([str(dtype), "skipped: time budget", "", "", ""])
+            rows.append([name, "skipped: time budget", "", "", ""])
             continue
-        r = lanes_agreement(dtype, n, tokens, c)
-        rows.append([str(dtype).removeprefix("torch."), f"{r['persistent_vs_standard']}/{r['prompts']}",
+        r = lanes_agreement(dtype, n, tokens, c, batch_invariant=invariant)
+        rows.append([name, f"{r['persistent_vs_standard']}/{r['prompts']}",
                      f"{r['concurrent_vs_alone']}/{r['concurrency']}", str(r["graph_buckets_used"]),
                      str(r["first_divergence"])])
+        shape = f"small random GPT-OSS, {tokens} tokens"
+        rep.study("lane_agreement", [
+            {"check": "persistent == standard", "dtype": name, "shape": shape,
+             "identical": r["persistent_vs_standard"], "total": r["prompts"]},
+            {"check": f"standard c={c} == one at a time", "dtype": name, "shape": shape,
+             "identical": r["concurrent_vs_alone"], "total": r["concurrency"]}])
     rep.table(f"Lane agreement: small random GPT-OSS (hidden 256, 16 experts, sinks, window), {tokens} greedy tokens",
               ["dtype", f"persistent == standard ({n} prompts)", f"standard c={c} == one at a time",
                "decode graph buckets used", "first differing token (c=64 vs alone)"], rows)
@@ -1088,9 +1126,13 @@ def main(argv: list[str] | None = None) -> Report | None:
     p.add_argument("--bandwidth-tbps", type=float, default=4.8, help="HBM bandwidth for the floors (H200: 4.8)")
     p.add_argument("--tflops", type=float, default=790.0, help="dense bf16 TFLOP/s for the floors (H200, measured)")
     p.add_argument("--merge-docs", help="only merge this benchmarks_section.md into docs/benchmarks.md")
+    p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                   help="engine config field for the model parts (repeatable), e.g. batch_invariant=true")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, Triton's interpreter, tiny shapes: checks that the script runs (numbers meaningless)")
     args = p.parse_args(argv)
+    S.engine = {k: json.loads(v.lower() if v.lower() in ("true", "false") else v) if v[:1].isdigit() or
+                v.lower() in ("true", "false") else v for k, v in (kv.split("=", 1) for kv in args.engine)}
     if args.merge_docs:
         merge_docs(args.merge_docs)
         return None

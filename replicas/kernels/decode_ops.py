@@ -97,6 +97,12 @@ def rope_kv_write_reference(qkv, cos_table, sin_table, position, block_table, ke
     return q
 
 
+BATCH_INVARIANT_SPLITS = 32
+"""Decode attention's split-K count with :attr:`DecodeOps.batch_invariant`, at every batch size (the batch-one
+choice, :data:`~replicas.kernels.triton_decode_attention.FEW_HEADS_SPLITS`): each row's splits then depend on
+its own context length only."""
+
+
 def _one_row(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
 
@@ -114,6 +120,12 @@ class DecodeOps:
             grouped GEMMs; else their torch references. The model runner passes it to each forward's
             attention metadata.
         moe: the MoE kernels (GPT-OSS models; None for dense models).
+        batch_invariant: every op runs a row-exact kernel (``docs/exactness.md``): a row's result is bitwise
+            the same whatever other rows share the launch. Decode rows (:meth:`linear`, :meth:`route`,
+            :meth:`lm_head`, :meth:`moe_add_rmsnorm` with ``prefill=False``) take the decode family at every
+            batch size, one row included (no batch-one GEMV, no fused norm + projection); prompt tokens
+            (``prefill=True``) the prefill family; decode attention a fixed split count
+            (:data:`BATCH_INVARIANT_SPLITS`). Only with ``triton`` and the grouped MoE GEMMs.
     """
 
     triton: bool = False
@@ -121,11 +133,12 @@ class DecodeOps:
     pdl: bool = False
     prefill_kernels: bool = False
     moe: MoE | None = None
+    batch_invariant: bool = False
 
     @classmethod
     def build(cls, device: torch.device | str, dtype: torch.dtype, *, pdl: bool = True, moe_backend: str | None = None,
               moe_repack: bool = True, moe_tiles: dict[str, int] | None = None,
-              prefill_kernels: bool = True) -> DecodeOps:
+              prefill_kernels: bool = True, batch_invariant: bool = False) -> DecodeOps:
         """Resolve the kernels for a ``dtype`` model on ``device``.
 
         Args:
@@ -135,9 +148,14 @@ class DecodeOps:
             moe_backend: ``auto`` or a name of :data:`replicas.kernels.moe.MOE_BACKENDS` for models with
                 experts; None for dense models (no MoE).
             moe_repack, moe_tiles: see :func:`replicas.kernels.moe.resolve_moe`.
+            batch_invariant: the row-exact kernels (:attr:`batch_invariant`); ignored off the GPU, where the
+                torch references are already independent of the batch (fp32, one row at a time where it
+                matters: ``docs/exactness.md``).
 
         Raises:
             replicas.kernels.moe.MoEBackendError: the MoE backend or its tiles cannot run here.
+            ValueError: ``batch_invariant`` on a GPU without the prefill kernels (the grouped MoE GEMMs are
+                the MoE's row-exact kernels).
         """
         device = torch.device(device)
         triton = device.type == "cuda" and _triton_importable()
@@ -150,7 +168,12 @@ class DecodeOps:
         moe = None
         if moe_backend is not None:
             moe = MoE(resolve_moe(moe_backend, device, dtype, moe_repack, moe_tiles, prefill_kernels), pdl=use_pdl)
-        return cls(triton=triton, nvidia=nvidia, pdl=use_pdl, prefill_kernels=triton and prefill_kernels, moe=moe)
+        invariant = triton and batch_invariant
+        if invariant and not prefill_kernels:
+            raise ValueError("batch_invariant needs prefill_kernels (the grouped MoE GEMMs and the prefill "
+                             "attention are its row-exact kernels)")
+        return cls(triton=triton, nvidia=nvidia, pdl=use_pdl, prefill_kernels=triton and prefill_kernels, moe=moe,
+                   batch_invariant=invariant)
 
     @classmethod
     def reference(cls, moe: bool = False) -> DecodeOps:
@@ -165,7 +188,7 @@ class DecodeOps:
     def describe(self) -> dict:
         """A JSON-able record of what runs (``/debug/stats``, span attributes)."""
         out = {"decode_kernels": "triton" if self.triton else "torch", "pdl": self.pdl,
-               "prefill_kernels": self.prefill_kernels}
+               "prefill_kernels": self.prefill_kernels, "batch_invariant": self.batch_invariant}
         if self.moe is not None:
             out |= self.moe.choice.describe()
         return out
@@ -175,23 +198,49 @@ class DecodeOps:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)``: ``x`` ``[T, K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` → ``[T, N]``.
         One bf16/fp16 row on a GPU: the batch-one Triton GEMV (:func:`replicas.kernels.triton_gemv.triton_gemv`);
-        everything else (fp32, batches, CPU): torch."""
+        everything else (fp32, batches, CPU): torch. With :attr:`batch_invariant`, every row count: the
+        decode family of :mod:`replicas.kernels.row_exact_gemm`."""
+        if self.batch_invariant:
+            from replicas.kernels.row_exact_gemm import decode_gemm
+
+            return decode_gemm(x, weight, bias)
         if self.triton and _one_row(x):
             from replicas.kernels.triton_gemv import triton_gemv
 
             return triton_gemv(x, weight, bias, pdl=self.pdl)
         return torch.nn.functional.linear(x, weight, bias)
 
+    def prefill_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """:meth:`linear` for prompt tokens (the eager forward): with :attr:`batch_invariant` the prefill
+        family of :mod:`replicas.kernels.row_exact_gemm` (one fixed tile for any token count), else
+        :meth:`linear`. Shapes as :meth:`linear`."""
+        if self.batch_invariant:
+            from replicas.kernels.row_exact_gemm import prefill_gemm
+
+            return prefill_gemm(x, weight, bias)
+        return self.linear(x, weight, bias)
+
+    def lm_head(self, h: torch.Tensor, weight: torch.Tensor, prefill: bool = False) -> torch.Tensor:
+        """Logits ``[T, vocab]`` in ``h.dtype`` of the normed rows ``h`` ``[T, hidden]`` (``weight``
+        ``[vocab, hidden]``): a row-exact family with :attr:`batch_invariant` (``prefill`` picks which), else
+        ``F.linear`` (cuBLAS on a GPU)."""
+        if self.batch_invariant:
+            return self.prefill_linear(h, weight) if prefill else self.linear(h, weight)
+        return torch.nn.functional.linear(h, weight)
+
     def swiglu_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Llama's MLP input: ``silu(gate) * up`` with ``gate, up = F.linear(x, weight).chunk(2, -1)`` (Shazeer
         2020); ``x`` ``[T, K]``, ``weight`` ``[2I, K]`` (gate rows over up rows) → ``[T, I]``. One bf16/fp16 row
         on a GPU: one Triton GEMV launch with the SwiGLU in its epilogue (fp32 sums, rounded once); otherwise
-        torch, as transformers' ``LlamaMLP``."""
-        if self.triton and _one_row(x):
+        torch, as transformers' ``LlamaMLP`` (with :attr:`batch_invariant`: :meth:`linear`'s row-exact GEMM,
+        then the SwiGLU in torch, elementwise)."""
+        if self.triton and _one_row(x) and not self.batch_invariant:
             from replicas.kernels.triton_gemv import triton_gemv
 
             return triton_gemv(x, weight, swiglu=True, pdl=self.pdl)
-        gate, up = torch.nn.functional.linear(x, weight).chunk(2, dim=-1)
+        gate, up = (self.linear(x, weight) if self.batch_invariant else torch.nn.functional.linear(x, weight)
+                    ).chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
     # ---------------------------------------------------------------------------------------- norms
@@ -221,8 +270,9 @@ class DecodeOps:
         :meth:`swiglu_linear` with ``swiglu``): ``(x + delta, proj(norm(x + delta)))``; ``x``, ``delta``
         ``[T, K]``, ``weight`` ``[N, K]`` (``[2N, K]`` with ``swiglu``) → ``([T, K], [T, N])``. One bf16/fp16
         row on a GPU with ``K <= NORM_MAX_K``: one Triton launch whose programs each recompute the norm
-        (:func:`replicas.kernels.triton_gemv.triton_add_rmsnorm_gemv`); otherwise the two steps."""
-        if self.triton and _one_row(x):
+        (:func:`replicas.kernels.triton_gemv.triton_add_rmsnorm_gemv`); otherwise (and with
+        :attr:`batch_invariant`) the two steps."""
+        if self.triton and _one_row(x) and not self.batch_invariant:
             from replicas.kernels.triton_gemv import NORM_MAX_K, triton_add_rmsnorm_gemv
 
             if x.shape[1] <= NORM_MAX_K:
@@ -270,23 +320,31 @@ class DecodeOps:
         """One query token per sequence over its paged context: the Triton kernel on a GPU
         (:func:`replicas.kernels.triton_decode_attention.triton_decode_attention`), else
         :func:`static_decode_attention` (same arguments and result; ``workspace`` is the kernel's reusable
-        scratch dict, ignored by the reference)."""
+        scratch dict, ignored by the reference). With :attr:`batch_invariant` the split count does not depend
+        on the batch (:data:`BATCH_INVARIANT_SPLITS`; one for short windows, as always)."""
         if self.triton:
-            from replicas.kernels.triton_decode_attention import triton_decode_attention
+            from replicas.kernels.triton_decode_attention import (
+                default_splits,
+                triton_decode_attention,
+            )
 
+            splits = None
+            if self.batch_invariant:
+                splits = min(BATCH_INVARIANT_SPLITS, default_splits(key_plane.shape[2], 1, sliding_window))
             return triton_decode_attention(query, key_plane, value_plane, block_table, context_len, scale,
                                            sinks=sinks, sliding_window=sliding_window, workspace=workspace,
-                                           pdl=self.pdl)
+                                           num_splits=splits, pdl=self.pdl)
         return static_decode_attention(query, key_plane, value_plane, block_table, context_len, scale, sinks=sinks,
                                        sliding_window=sliding_window)
 
     # ---------------------------------------------------------------------------- router and experts
 
-    def route(self, router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, router, x: torch.Tensor, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights ``[T, K]`` (``x.dtype``) and expert ids ``[T, K]`` int64 for ``x`` ``[T, hidden]``.
         ``router`` has ``weight [E, hidden]``, ``bias [E]``, ``top_k`` (GPT-OSS's ``Router``). The top-k is
-        one Triton launch on a GPU, :func:`~replicas.kernels.reference.router_topk_reference` elsewhere."""
-        logits = self.linear(x, router.weight, router.bias)  # [T, E]
+        one Triton launch on a GPU, :func:`~replicas.kernels.reference.router_topk_reference` elsewhere.
+        ``prefill``: the rows are prompt tokens (:meth:`prefill_linear`)."""
+        logits = (self.prefill_linear if prefill else self.linear)(x, router.weight, router.bias)  # [T, E]
         if self.triton:
             from replicas.kernels.triton_router import triton_router_topk
 
@@ -294,37 +352,44 @@ class DecodeOps:
         return router_topk_reference(logits, router.top_k, x.dtype)
 
     def add_rmsnorm_route(self, x: torch.Tensor, delta: torch.Tensor, norm, router, mxfp4_out: bool = False,
-                          workspace: dict | None = None) -> tuple[torch.Tensor, ...]:
+                          workspace: dict | None = None, prefill: bool = False) -> tuple[torch.Tensor, ...]:
         """GPT-OSS's residual add + RMSNorm (weight in fp32) after attention, then :meth:`route` on the normed
         rows: ``(x + delta, h, h_mxfp4 or None, weights [T, K], ids [T, K])`` for ``x``, ``delta``
         ``[T, hidden]``; ``h_mxfp4`` (with ``mxfp4_out``) is ``h`` in the tensor-core MoE kernels' format.
         One bf16/fp16 row on an NVIDIA GPU with a biased, contiguous router: one Triton launch
         (:func:`~replicas.kernels.triton_router.triton_add_rmsnorm_route`, scratch kept in ``workspace``);
-        otherwise :meth:`add_rmsnorm` then :meth:`route`."""
-        if self.nvidia and _one_row(x) and router.bias is not None and router.weight.is_contiguous():
+        otherwise (and with :attr:`batch_invariant`) :meth:`add_rmsnorm` then :meth:`route` (``prefill``: the
+        rows are prompt tokens)."""
+        if (self.nvidia and _one_row(x) and router.bias is not None and router.weight.is_contiguous()
+                and not self.batch_invariant):
             from replicas.kernels.triton_router import triton_add_rmsnorm_route
 
             return triton_add_rmsnorm_route(x, delta, norm.weight, norm.eps, router.weight, router.bias,
                                             router.top_k, mxfp4_out=mxfp4_out, workspace=workspace, pdl=self.pdl)
         x, h, *h_mx = self.add_rmsnorm(x, delta, norm, True, mxfp4_out=mxfp4_out)
-        return x, h, h_mx[0] if h_mx else None, *self.route(router, h)
+        return x, h, h_mx[0] if h_mx else None, *self.route(router, h, prefill)
 
     def moe_add_rmsnorm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
-                        residual: torch.Tensor, norm, weight_in_fp32: bool, x_mxfp4: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        residual: torch.Tensor, norm, weight_in_fp32: bool, x_mxfp4: torch.Tensor | None = None,
+                        prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The MoE layer, its residual add and the next RMSNorm: ``(x_new, norm(x_new))`` with
         ``x_new = residual + moe(x)`` ``[T, hidden]``. ``x_mxfp4``: ``x`` in the tensor-core kernels' format
         when :attr:`takes_mxfp4_activations` (written by the add+RMSNorm that produced ``x``).
 
         With a partials backend two launches write per-expert fp32 partials and one add+RMSNorm launch sums
-        them (fixed order, no atomics); otherwise the MoE with its residual, then :meth:`add_rmsnorm`.
+        them (fixed order, no atomics); otherwise the MoE with its residual, then :meth:`add_rmsnorm`. With
+        :attr:`batch_invariant` the grouped GEMMs at every token count, with a fixed M-block height per family
+        (``prefill``: prompt tokens, :data:`~replicas.kernels.moe.ROW_EXACT_BLOCK_M`).
 
         Raises:
             RuntimeError: the ops were built without a MoE backend.
         """
         if self.moe is None:
             raise RuntimeError("DecodeOps built without a MoE backend (moe_backend=None)")
-        parts = self.moe.partials(x, weights, ids, experts, x_mxfp4)
+        if self.batch_invariant:
+            parts = self.moe.row_exact_partials(x, weights, ids, experts, prefill)
+        else:
+            parts = self.moe.partials(x, weights, ids, experts, x_mxfp4)
         if parts is not None:
             return self.add_rmsnorm(residual, parts, norm, weight_in_fp32)
         return self.add_rmsnorm(self.moe(x, weights, ids, experts, residual=residual), None, norm, weight_in_fp32)
@@ -333,7 +398,7 @@ class DecodeOps:
     def takes_mxfp4_activations(self) -> bool:
         """Whether the MoE kernel reads its activations in the tensor-core format (the add+RMSNorm launch
         before it then writes them too: ``mxfp4_out=True``)."""
-        return self.moe is not None and self.moe.takes_mxfp4_activations
+        return self.moe is not None and self.moe.takes_mxfp4_activations and not self.batch_invariant
 
 
 def _triton_importable() -> bool:

@@ -299,15 +299,16 @@ class GptOssForCausalLM(nn.Module):
         mx = ops.takes_mxfp4_activations and t <= DECODE_MAX_TOKENS  # the decode MoE kernels' activation format
         for i, (layer, (kp, vp)) in enumerate(zip(layers, kv_planes, strict=True)):
             attn = layer.self_attn
-            q = ops.prefill_rope_kv(attn, attn.qkv_proj(h, ops.linear), self.rope_cos, self.rope_sin,
+            q = ops.prefill_rope_kv(attn, attn.qkv_proj(h, ops.prefill_linear), self.rope_cos, self.rope_sin,
                                     meta.positions, meta.slot_mapping, kp, vp)  # [T, H, D]
             o = prefill_attention(q, kp, vp, meta, attn.scale, sinks=attn.sinks, sliding_window=attn.sliding_window)
-            o = ops.linear(o.reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias)
+            o = ops.prefill_linear(o.reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias)
             x, h, h_mx, weights, ids = ops.add_rmsnorm_route(x, o, layer.post_attention_layernorm, layer.mlp.router,
-                                                             mxfp4_out=mx, workspace=self._decode_workspace)
+                                                             mxfp4_out=mx, workspace=self._decode_workspace,
+                                                             prefill=True)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, h = ops.moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True, x_mxfp4=h_mx)
-        return self.lm_head(h[meta.last_token_indices.to(h.device)]).float()  # [B, vocab]
+            x, h = ops.moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True, x_mxfp4=h_mx, prefill=True)
+        return ops.lm_head(h[meta.last_token_indices.to(h.device)], self.lm_head.weight, prefill=True).float()
 
     layered_kernel_forward = True
     """With the kernels (``meta.kernels`` and Triton ops), :meth:`forward` runs :meth:`forward_kernels`; False
@@ -402,7 +403,7 @@ class GptOssForCausalLM(nn.Module):
                                                              mxfp4_out=mx, workspace=self._decode_workspace)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x, h = ops.moe_add_rmsnorm(h, weights, ids, layer.mlp.experts, x, norm, True, x_mxfp4=h_mx)
-        return self.lm_head(h)  # the LM head's dtype: greedy quanta take the argmax as it is
+        return ops.lm_head(h, self.lm_head.weight)  # the LM head's dtype: greedy quanta take the argmax as it is
 
     @classmethod
     def from_pretrained(

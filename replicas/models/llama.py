@@ -147,6 +147,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_planes: KVPlanes) -> torch.Tensor:
+        if self.ops.batch_invariant:
+            return self.forward_row_exact(input_ids, meta, kv_planes)
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos = self.rope_cos[meta.positions].to(x.dtype)  # [T, D]
         sin = self.rope_sin[meta.positions].to(x.dtype)
@@ -154,6 +156,38 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, meta, planes)
         x = self.model.norm(x[meta.last_token_indices.to(x.device)])  # [B, hidden]
         return self.lm_head(x).float()  # [B, vocab]
+
+    def forward_row_exact(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_planes: KVPlanes
+                          ) -> torch.Tensor:
+        """:meth:`forward` for prompt tokens with ``DecodeOps.batch_invariant`` (``docs/exactness.md``): every
+        projection through the prefill family of row-exact GEMMs (:meth:`DecodeOps.prefill_linear`), each
+        residual add + RMSNorm one Triton program per row (:meth:`DecodeOps.add_rmsnorm`; torch's reductions
+        pick their split from the row count), the Triton prefill attention; elementwise steps in torch.
+
+        Returns:
+            ``[B, vocab]`` fp32 logits of each sequence's last new token.
+        """
+        ops = self.ops
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        t = x.shape[0]
+        cos = self.rope_cos[meta.positions].to(x.dtype)  # [T, D]
+        sin = self.rope_sin[meta.positions].to(x.dtype)
+        m = None  # the MLP output not yet added to the residual stream x
+        for layer, (kp, vp) in zip(self.model.layers, kv_planes, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            x, h = ops.add_rmsnorm(x, m, layer.input_layernorm, False)
+            qkv = ops.prefill_linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            q = apply_rope(q.view(t, attn.num_heads, attn.head_dim), cos, sin)  # [T, H, D]
+            k = apply_rope(k.view(t, attn.num_kv_heads, attn.head_dim), cos, sin)
+            write_kv(k, v.reshape(t, attn.num_kv_heads, attn.head_dim), kp, vp, meta.slot_mapping)
+            o = paged_attention(q, kp, vp, meta, attn.scale)  # [T, H, D]
+            o = ops.prefill_linear(o.reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias)
+            x, h = ops.add_rmsnorm(x, o, layer.post_attention_layernorm, False)
+            gate, up = ops.prefill_linear(h, mlp.gate_up_proj.weight).split(mlp.intermediate, dim=-1)
+            m = ops.prefill_linear(F.silu(gate) * up, mlp.down_proj.weight)
+        _, h = ops.add_rmsnorm(x, m, self.model.norm, False)
+        return ops.lm_head(h[meta.last_token_indices.to(h.device)], self.lm_head.weight, prefill=True).float()
 
     def decode_static(
         self, token: torch.Tensor, position: torch.Tensor, block_table: torch.Tensor, kv_planes: KVPlanes
@@ -194,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
                                           swiglu=True)
             m = ops.linear(g, mlp.down_proj.weight)
         _, h = ops.add_rmsnorm(x, m, self.model.norm, False)
-        return self.lm_head(h)  # the LM head's dtype: greedy quanta take the argmax as it is
+        return ops.lm_head(h, self.lm_head.weight)  # the LM head's dtype: greedy quanta take the argmax as it is
 
     @classmethod
     def from_pretrained(

@@ -52,11 +52,12 @@ def model_config(path: str | Path):
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str, progress: bool = True,
                load_format: str = "auto", seed: int = 0, *, pdl: bool = True, moe_backend: str = "auto",
-               moe_repack: bool = True, moe_tiles: dict[str, int] | None = None, prefill_kernels: bool = True):
+               moe_repack: bool = True, moe_tiles: dict[str, int] | None = None, prefill_kernels: bool = True,
+               batch_invariant: bool = False):
     """Build the model class for ``path``, load its weights (``load_format`` ``auto``) or generate random ones
     from its ``config.json`` (``dummy``, seeded by ``seed``), then give it its kernels, resolved once here
     (:meth:`~replicas.kernels.decode_ops.DecodeOps.build` with the engine config's ``pdl`` and, for models
-    with experts, ``moe_backend``, ``moe_repack`` and ``moe_tiles``; ``prefill_kernels``).
+    with experts, ``moe_backend``, ``moe_repack`` and ``moe_tiles``; ``prefill_kernels``; ``batch_invariant``).
 
     Raises:
         FileNotFoundError: no ``config.json``.
@@ -71,5 +72,6 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
     else:
         raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
     ops = DecodeOps.build(device, dtype, pdl=pdl, moe_backend=moe_backend if cls.uses_moe else None,
-                          moe_repack=moe_repack, moe_tiles=moe_tiles, prefill_kernels=prefill_kernels)
+                          moe_repack=moe_repack, moe_tiles=moe_tiles, prefill_kernels=prefill_kernels,
+                          batch_invariant=batch_invariant)
     return model.use_ops(ops)

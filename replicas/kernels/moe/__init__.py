@@ -61,6 +61,12 @@ TILE_KEYS = {
 PARTIALS_BACKENDS = ("hopper_bulk", "triton_tc", "triton_fp32")
 """Backends that return per-expert fp32 partials ``[T, K, hidden]``, summed in order by the next add+RMSNorm."""
 
+ROW_EXACT_BLOCK_M = {"decode": 16, "prefill": 64}
+"""The grouped GEMMs' M-block height per row family when the engine runs row-exact kernels
+(``batch_invariant``): one height for every token count, so a pair's row never changes tile shape. Decode
+steps (up to 256 sequences) route about 2 to 8 pairs per expert (16 wastes least); prompts of 128 to 8,192
+tokens 4 to 256 (``docs/exactness.md``)."""
+
 MXFP4_ACTIVATION_BACKENDS = ("hopper_bulk", "triton_tc")
 """Backends that read activations in the tensor-core format; the add+RMSNorm before them writes it."""
 
@@ -261,6 +267,19 @@ class MoE:
             return None
         extra = {"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}
         return self._decode(x, weights, ids, *_packed(experts), **extra)
+
+    def row_exact_partials(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
+                           prefill: bool) -> torch.Tensor:
+        """:meth:`partials` through the grouped GEMMs at every token count with the fixed M-block height of
+        :data:`ROW_EXACT_BLOCK_M` (``prefill``: prompt tokens, else decode rows): ``[T, K, hidden]`` fp32,
+        each pair's row bitwise independent of the other tokens.
+
+        Raises:
+            RuntimeError: the grouped GEMMs are not this choice's prefill path."""
+        if self._grouped_partials is None:
+            raise RuntimeError(f"row-exact MoE needs the grouped GEMMs (prefill path is {self.choice.prefill})")
+        return self._grouped_partials(x, weights, ids, experts,
+                                      block_m=ROW_EXACT_BLOCK_M["prefill" if prefill else "decode"])
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
                  residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -492,6 +492,7 @@ def grouped_moe_partials(
     gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, *, repacked: bool = False, grouping: ExpertGrouping | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Every pair's weighted expert output: ``[T, K, hidden]`` fp32, ``sum(1)`` of which is the MoE layer.
 
@@ -505,6 +506,9 @@ def grouped_moe_partials(
         repacked: the blocks are in :mod:`replicas.kernels.moe.decode_layout`'s layout.
         grouping: :func:`triton_group_by_expert` (or :func:`group_by_expert`) of ``ids`` when the caller
             has it; else built here with :func:`triton_group_by_expert`.
+        block_m: the M-block height (a key of :data:`TILES`); None: :func:`pick_block_m` from the pair count.
+            A fixed height makes every pair's row bitwise independent of the other pairs (one tile shape and
+            instruction whatever the token count: ``docs/exactness.md``).
 
     Returns:
         ``[T, K, hidden]`` fp32 partials (pair ``(t, k)``: ``weights[t, k] * expert_{ids[t, k]}(x[t])``).
@@ -524,7 +528,10 @@ def grouped_moe_partials(
     y = torch.empty(t, top_k, hidden, dtype=torch.float32, device=x.device)
     if p == 0:
         return y
-    block_m = grouping.block_m if grouping is not None else pick_block_m(p, num_experts)
+    if grouping is not None:
+        block_m = grouping.block_m
+    elif block_m is None:
+        block_m = pick_block_m(p, num_experts)
     g = grouping or triton_group_by_expert(ids, num_experts, block_m)
     precision = "ieee" if x.dtype == torch.float32 else None
     cfg = tile_config(block_m)
@@ -565,10 +572,12 @@ def _packed_of(experts) -> tuple:
             experts.down_proj_blocks, experts.down_proj_scales, experts.down_proj_bias, experts.alpha, experts.limit)
 
 
-def experts_partials(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
+def experts_partials(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
+                     block_m: int | None = None) -> torch.Tensor:
     """:func:`grouped_moe_partials` for an experts module with GPT-OSS's buffer names (``*_blocks``,
     ``*_scales``, ``*_bias``, ``alpha``, ``limit``; ``decode_layout`` True when repacked at load)."""
-    return grouped_moe_partials(x, weights, ids, *_packed_of(experts), repacked=getattr(experts, "decode_layout", False))
+    return grouped_moe_partials(x, weights, ids, *_packed_of(experts), repacked=getattr(experts, "decode_layout", False),
+                                block_m=block_m)
 
 
 def experts_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:

@@ -58,7 +58,7 @@ def test_the_engine_config_refuses_unknown_backends_and_the_load_refuses_unrunna
         DecodeOps.build("cpu", torch.float32, moe_backend="hopper_bulk")
     ops = DecodeOps.build("cpu", torch.float32, moe_backend="auto")
     assert ops.describe() == {"decode_kernels": "torch", "pdl": False, "prefill_kernels": False,
-                              "moe_backend": "reference",
+                              "batch_invariant": False, "moe_backend": "reference",
                               "moe_prefill": "reference", "moe_repack": False, "moe_tiles": {},
                               "moe_reason": "auto"}
     assert DecodeOps.build("cpu", torch.float32).moe is None  # dense models: no MoE
