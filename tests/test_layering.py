@@ -1,12 +1,13 @@
 """The layers point one way, and no first-party import cycle exists (imports inside functions included).
 
-Walks every module of ``policy/``, ``replicas/``, ``deployments/`` and ``ops/`` with :mod:`ast` (nothing is
+Walks every module of ``policy/``, ``replicas/``, ``deployments/``, ``ops/`` and ``benchmarks/`` with :mod:`ast` (nothing is
 imported), resolves each import to a first-party module, and checks:
 
 - a module imports only modules of its own layer or of layers below (:data:`LAYERS`, bottom first):
   ``policy`` and ``replicas.envs``; ``replicas.kernels``; ``replicas.models``; the replica core
   (config, KV cache, scheduler, engine, ...); ``ops.telemetry``; ``replicas.persistent``;
-  ``replicas.engine_actor``; ``deployments``; ``ops.bench`` and ``ops.tools`` (offline tools, on top);
+  ``replicas.engine_actor``; ``deployments``; ``ops.tools`` (offline tools); ``benchmarks`` (on top: nothing
+  in the serving path or ``ops`` imports benchmark code);
 - ``replicas`` never imports ``ray.serve``; ``policy`` neither torch nor ray (``tests/policy`` also checks
   that at run time);
 - the import graph between first-party modules has no cycle.
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("policy", "replicas", "deployments", "ops")
+PACKAGES = ("policy", "replicas", "deployments", "ops", "benchmarks")
 
 LAYERS = (
     ("policy", "replicas.envs"),
@@ -33,7 +34,8 @@ LAYERS = (
     ("replicas.persistent",),
     ("replicas.engine_actor",),
     ("deployments",),
-    ("ops.bench", "ops.tools", "ops"),
+    ("ops.tools", "ops"),
+    ("benchmarks",),
 )
 """Layers bottom first, by module-name prefix; a module belongs to the layer of its longest matching prefix."""
 

@@ -1,4 +1,4 @@
-"""A real OTLP/HTTP trace receiver, for tests and for the latency breakdown of ``ops.bench.hops``.
+"""A real OTLP/HTTP trace receiver, for tests and for the latency breakdown of ``benchmarks.hops``.
 
 :class:`OTLPReceiver` is not a mock: it is a small HTTP server that speaks the
 OTLP/HTTP protobuf protocol (``POST /v1/traces`` with an

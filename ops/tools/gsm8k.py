@@ -1,4 +1,4 @@
-"""GSM8K data, few-shot prompts and answer extraction (shared by ``ops.tools.eval_gsm8k`` and ``ops.bench.serve``).
+"""GSM8K data, few-shot prompts and answer extraction (shared by ``ops.tools.eval_gsm8k`` and ``benchmarks.serve``).
 
 Prompt format and the two answer extractors follow lm-evaluation-harness's
 ``gsm8k`` task (``Question: ...\\nAnswer: ...`` few-shot blocks; "strict-match"

@@ -1,6 +1,6 @@
 """Model architectures by name, as ``config.json`` dicts, for ``load_format=dummy`` engines.
 
-Benchmarks (``ops.bench``), GPU tests and the served GPT-OSS shapes build random-weight models from these
+Benchmarks (``benchmarks/``), GPU tests and the served GPT-OSS shapes build random-weight models from these
 (:func:`write_config_dir` + ``EngineConfig(model=DIR, load_format="dummy")``), so that nothing needs a
 checkpoint: the SmolLM2-135M shape, the real gpt-oss-20b and -120b shapes, and tiny CPU smoke shapes.
 """

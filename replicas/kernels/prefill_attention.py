@@ -55,7 +55,7 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 CONFIG_OVERRIDES: dict[str, int] = {}
-"""Benchmark-only overrides of ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` (``ops/bench/prefill.py``
+"""Benchmark-only overrides of ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` (``benchmarks/prefill.py``
 sweeps a few); empty in serving."""
 
 LOG2E = 1.4426950408889634

@@ -29,7 +29,7 @@ TOKENS_PER_ITER = 64
 
 SPLITS = 16
 """Split count when more than 8 (sequence, KV head) pairs share the launch (the standard lane's batches;
-``python -m ops.bench.kernels --kernels attention``)."""
+``python -m benchmarks.kernels --kernels attention``)."""
 
 FEW_HEADS_SPLITS = 32
 """Split count when at most 8 (sequence, KV head) pairs share the launch (batch one: gpt-oss's 8 KV heads,

@@ -93,7 +93,7 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
     Tile defaults (``block_k``/``num_warps`` None): 256 columns and 4 warps for outputs wider than 256
     rows (the qkv and o projections), 512 columns and 8 warps for narrower ones such as the router
-    (N = 128): the best that ``python -m ops.bench.kernels --kernels dense`` found on an H200 at
+    (N = 128): the best that ``python -m benchmarks.kernels --kernels dense`` found on an H200 at
     gpt-oss-120b's shapes (``docs/benchmarks.md``).
 
     ``swiglu``: ``weight`` is ``[2N, K]``, gate rows over up rows (Llama's fused ``gate_up_proj``), and the

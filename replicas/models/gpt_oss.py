@@ -313,7 +313,7 @@ class GptOssForCausalLM(nn.Module):
     layered_kernel_forward = True
     """With the kernels (``meta.kernels`` and Triton ops), :meth:`forward` runs :meth:`forward_kernels`; False
     runs the layer modules with the prefill attention and the MoE kernels only (a benchmark's comparison, as
-    ``ops/bench/prefill.py`` measures both; serving keeps True)."""
+    ``benchmarks/prefill.py`` measures both; serving keeps True)."""
 
     config_class = GptOssConfig
     """The config type ``config.json`` parses into."""

@@ -1,4 +1,4 @@
-"""``ops.bench.serve`` and ``ops.tools.eval_gsm8k`` end to end against the session's real server (SmolLM2)."""
+"""``benchmarks.serve`` and ``ops.tools.eval_gsm8k`` end to end against the session's real server (SmolLM2)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ops.bench import serve as bench_serve
+from benchmarks import serve as bench_serve
 from ops.tools import eval_gsm8k, gsm8k
 
 pytestmark = pytest.mark.ray
@@ -67,9 +67,9 @@ def test_eval_gsm8k_names_the_option_when_data_is_missing(tmp_path):
 
 
 def test_ttft_breakdown_reads_each_hop_from_the_requests_own_traces(server, otlp):
-    """``ops.bench.hops.breakdown`` against the real app: every segment was read from the request's spans,
+    """``benchmarks.hops.breakdown`` against the real app: every segment was read from the request's spans,
     each is positive, and together they are the client's TTFT (one machine's clock)."""
-    from ops.bench.hops import SEGMENTS, breakdown
+    from benchmarks.hops import SEGMENTS, breakdown
 
     model = "smollm2-135m-instruct"
     out = breakdown(server, otlp, model, 3, 4)
@@ -89,8 +89,8 @@ def test_ttft_breakdown_reads_each_hop_from_the_requests_own_traces(server, otlp
 
 
 def test_burst_gives_each_concurrent_request_its_own_segments(server, otlp):
-    """``ops.bench.hops.burst``: 3 requests at once, each read from its own trace, in send order."""
-    from ops.bench.hops import SEGMENTS, burst
+    """``benchmarks.hops.burst``: 3 requests at once, each read from its own trace, in send order."""
+    from benchmarks.hops import SEGMENTS, burst
 
     rows = burst(server, otlp, "smollm2-135m-instruct", 3, 4, prompts=[[1, 2, 3, 4, 5], [6, 7, 8], [9, 10]])
     assert len(rows) == 3 and [r["lane"] for r in rows] == ["standard"] * 3
@@ -101,9 +101,9 @@ def test_burst_gives_each_concurrent_request_its_own_segments(server, otlp):
 
 
 def test_cpu_per_token_names_each_serving_process_and_counts_every_token(server):
-    """``ops.bench.hops.cpu_per_token`` on the real app: the relay processes and the engine each spent CPU on
+    """``benchmarks.hops.cpu_per_token`` on the real app: the relay processes and the engine each spent CPU on
     the streamed tokens, and every token arrived as a chunk (the standard lane streams one token per chunk)."""
-    from ops.bench.hops import cpu_per_token
+    from benchmarks.hops import cpu_per_token
 
     row = cpu_per_token(server, "smollm2-135m-instruct", 2, 2, 6)
     assert row["concurrency"] == 2 and row["output_tok_s"] > 0 and row["chunks_per_token"] == 1.0, row

@@ -85,7 +85,7 @@ def test_a_busy_colocated_persistent_lane_spills_at_once(colocated):
 
 def test_what_each_lane_costs_the_other_on_one_replica(colocated):
     """Benchmark printout (no timing assertion): one persistent stream next to 2 standard ones."""
-    from ops.bench.interference import format_result, measure
+    from benchmarks.interference import format_result, measure
 
     result = measure(colocated, MODEL, standard_streams=2, prompt_len=64, max_tokens=24, rounds=1)
     print("\n" + format_result(result))

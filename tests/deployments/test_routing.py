@@ -110,7 +110,7 @@ def test_health_names_a_pool_that_never_comes_up(server, otlp):
 
 
 def _round(base: str, lane: str | None, n: int = 8, max_tokens: int = 32):
-    from ops.bench.serve import run
+    from benchmarks.serve import run
 
     records, _ = asyncio.run(run(base, MODEL, ["Hi"] * n, max_tokens, float("inf"), n, 0.0, True, lane, 0,
                                  progress=False, timeout=300))

@@ -1,4 +1,4 @@
-"""The two-GPU recipe's CPU dry run (``ops.tools.gpu_two_replicas --cpu-smoke``): the whole code path of the
+"""The two-GPU recipe's CPU dry run (``benchmarks.recipes.gpu_two_replicas --cpu-smoke``): the whole code path of the
 device run, on two GPUs Ray simulates.
 
 Ray assigns GPU ids to actors whether or not the GPUs exist and sets each actor's
@@ -26,7 +26,7 @@ def test_two_persistent_replicas_on_two_simulated_gpus(tmp_path):
     from tests.deployments.conftest import _free_port
 
     out = tmp_path / "two"
-    proc = subprocess.run([sys.executable, "-m", "ops.tools.gpu_two_replicas", "--cpu-smoke", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.recipes.gpu_two_replicas", "--cpu-smoke", "--out", str(out),
                            "--port", str(_free_port()), "--budget-s", "600"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

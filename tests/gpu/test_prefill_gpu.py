@@ -1,7 +1,7 @@
 """On an NVIDIA GPU: the prefill kernels and the batched standard lane (issue 18), on fresh random inputs.
 
 Run through the device: ``python -m pytest tests/gpu/test_prefill_gpu.py -q -o addopts=""``. The checks are
-the ones ``python -m ops.bench.prefill`` prints (its ``checks`` and ``lanes`` parts): the Triton prefill
+the ones ``python -m benchmarks.prefill`` prints (its ``checks`` and ``lanes`` parts): the Triton prefill
 attention and the grouped MXFP4 MoE GEMMs in bf16 against the torch references in fp32, the tensor step
 metadata against the list path, and greedy tokens of a small random GPT-OSS (fp32) identical between the
 persistent lane and the standard lane (20 prompts x 128 tokens, all at once on the standard lane: decode
@@ -21,27 +21,27 @@ def _failed(rows):
 
 
 def test_prefill_attention_bf16_matches_reference():
-    from ops.bench.prefill import check_attention
+    from benchmarks.prefill import check_attention
 
     rows = check_attention()
     assert rows and not _failed(rows), _failed(rows)
 
 
 def test_grouped_moe_bf16_matches_reference_in_both_layouts():
-    from ops.bench.prefill import check_moe
+    from benchmarks.prefill import check_moe
 
     rows = check_moe()
     assert len(rows) == 8 and not _failed(rows), _failed(rows)
 
 
 def test_step_metadata_tensor_path_equals_list_path_on_the_gpu():
-    from ops.bench.prefill import check_step_inputs
+    from benchmarks.prefill import check_step_inputs
 
     assert not _failed(check_step_inputs())
 
 
 def test_lanes_agree_and_concurrency_64_matches_one_at_a_time():
-    from ops.bench.prefill import lanes_agreement
+    from benchmarks.prefill import lanes_agreement
 
     r = lanes_agreement(torch.float32)
     print(r)
@@ -57,7 +57,7 @@ def test_standard_lane_steps_do_not_synchronize_the_host_inside_the_forward():
     with decodes and decode batches pass 16 sequences. Every forward runs under torch's sync debug mode set to
     ``error``: a ``.item()``, a device-to-host copy or a stream synchronization inside it raises. The one
     read per step that must wait, the sampled tokens (:func:`replicas.sampler.sample_rows`), is outside."""
-    from ops.bench.prefill import SMALL_GPT_OSS
+    from benchmarks.prefill import SMALL_GPT_OSS
     from ops.tools.make_tiny_gpt_oss import real_config
     from replicas.engine import LLMEngine
     from replicas.request import SamplingParams

@@ -1,4 +1,4 @@
-"""One engine core through the sequence ``ops/bench/prefill.py`` runs, every step's inputs checked.
+"""One engine core through the sequence ``benchmarks/prefill.py`` runs, every step's inputs checked.
 
 The first issue-18 H200 run faulted in the standard-lane sweep at 16 sequences after the TTFT and
 prefix-cache parts had used the same core, while the same requests ran clean on a fresh engine; the cause
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ops.bench.engine import build_core
+from benchmarks.engine import build_core
 from replicas.engine import LLMEngine
 from replicas.kernels import prefill_attention as pa
 from replicas.kernels.paged_attention import PAGE_SIZE

@@ -108,7 +108,7 @@ H200 sweep (``docs/benchmarks.md``, "Grouped GEMM: one dot per K step") it was w
 each kernel at 64 to 8,192 tokens, and wider K steps spill registers at ``BLOCK_M`` 64 and 128."""
 
 TILE_OVERRIDES: dict[int, TileConfig] = {}
-"""Benchmark-only replacements of :data:`TILES` entries (``ops/bench/prefill.py`` sweeps a few)."""
+"""Benchmark-only replacements of :data:`TILES` entries (``benchmarks/prefill.py`` sweeps a few)."""
 
 
 def pick_block_m(num_pairs: int, num_experts: int) -> int:

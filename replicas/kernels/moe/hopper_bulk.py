@@ -347,7 +347,7 @@ def cuda_moe_bulk(
             else 1). stages: tiles in flight per block.
         repacked: the packed blocks are in :mod:`~replicas.kernels.moe.decode_layout`'s bit layout
             (:func:`~replicas.kernels.moe.decode_layout.repack_`), which decodes in fewer instructions.
-        The tile defaults are the best that ``python -m ops.bench.kernels --kernels hopper_bulk`` found on an H200
+        The tile defaults are the best that ``python -m benchmarks.kernels --kernels hopper_bulk`` found on an H200
         at gpt-oss-120b's shape (``docs/benchmarks.md``).
 
     Returns:

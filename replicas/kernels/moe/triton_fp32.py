@@ -188,7 +188,7 @@ def triton_moe_gemv(
         alpha, limit: the clamped SwiGLU's constants (GPT-OSS: 1.702, 7.0).
         block_j: SwiGLU outputs per gate_up program; block_r: output rows per down program;
             blocks_per_step: 32-value blocks loaded per step (one per thread); num_warps: per program.
-            Defaults: the best that ``python -m ops.bench.kernels --kernels triton_fp32`` found on an H200 at gpt-oss-120b's shape.
+            Defaults: the best that ``python -m benchmarks.kernels --kernels triton_fp32`` found on an H200 at gpt-oss-120b's shape.
         ptx: decode with inline PTX (default: on CUDA; Triton's CPU interpreter needs False).
 
     Returns:

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The GPU recipe of ops/tools/gpu_serve.py on a machine without network, in several device calls.
+# The GPU recipe of benchmarks/recipes/gpu_serve.py on a machine without network, in several device calls.
 #
-#   bash ops/tools/gpu_serve.sh stash DIR          # calls 1..n-1: copy the carried DIR to /tmp/carry, exit
-#   bash ops/tools/gpu_serve.sh run DIR [ARGS...]  # last call: copy DIR too, join the parts, check the
+#   bash benchmarks/recipes/gpu_serve.sh stash DIR          # calls 1..n-1: copy the carried DIR to /tmp/carry, exit
+#   bash benchmarks/recipes/gpu_serve.sh run DIR [ARGS...]  # last call: copy DIR too, join the parts, check the
 #                                                  # sums, install the wheels into /tmp/site, run the recipe
 #
-# DIR holds wheels and data packed by `python -m ops.tools.gpu_wheels` (files cut in NAME.part-aa, -ab...
+# DIR holds wheels and data packed by `python -m benchmarks.recipes.gpu_wheels` (files cut in NAME.part-aa, -ab...
 # where one call could not carry them whole; SHA256SUMS of the whole files). ARGS go to
-# `python3 -m ops.tools.gpu_serve` (e.g. --models smollm2 --budget-s 300), or to the recipe module named by
-# GPU_SERVE_RECIPE (e.g. ops.tools.gpu_two_replicas on the 2-GPU machine; same wheels, same calls). Results:
+# `python3 -m benchmarks.recipes.gpu_serve` (e.g. --models smollm2 --budget-s 300), or to the recipe module named by
+# GPU_SERVE_RECIPE (e.g. benchmarks.recipes.gpu_two_replicas on the 2-GPU machine; same wheels, same calls). Results:
 # $OUT (summary.json, report.md, gsm8k.json, log.txt). Each call must come while the machine is still warm
 # (about 30 s).
 set -euo pipefail
@@ -42,4 +42,4 @@ mkdir -p "$out"
 set -o pipefail
 # the recipe's budget: GPU_SERVE_BUDGET_S (default 480 s) from here on, less what joining and installing took
 budget=$(( ${GPU_SERVE_BUDGET_S:-480} - ( $(date +%s) - start ) ))
-python3 -m "${GPU_SERVE_RECIPE:-ops.tools.gpu_serve}" --out "$out" --data "$carry" --budget-s "$budget" "$@" 2>&1 | tee "$out/log.txt"
+python3 -m "${GPU_SERVE_RECIPE:-benchmarks.recipes.gpu_serve}" --out "$out" --data "$carry" --budget-s "$budget" "$@" 2>&1 | tee "$out/log.txt"

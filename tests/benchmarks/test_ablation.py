@@ -1,4 +1,4 @@
-"""``ops.bench.ablation``: its ablations replace only decode ops the step really calls, on a model of their
+"""``benchmarks.ablation``: its ablations replace only decode ops the step really calls, on a model of their
 own (no runtime name patched), and it refuses to run without a GPU with a clear message (its timings run
 on the H200 through ``device``)."""
 
@@ -9,7 +9,7 @@ import inspect
 import pytest
 import torch
 
-from ops.bench import ablation as bench_ablation
+from benchmarks import ablation as bench_ablation
 from replicas.kernels.decode_ops import DecodeOps
 from replicas.models import gpt_oss
 

@@ -1,4 +1,4 @@
-"""Prepare what ``ops/tools/gpu_serve.sh`` carries to a GPU machine without network: wheels and data, in
+"""Prepare what ``benchmarks/recipes/gpu_serve.sh`` carries to a GPU machine without network: wheels and data, in
 folders of at most ``--call-mib`` each, one per device call.
 
 The lent H200 machine has Python 3.12, torch, triton, transformers, httpx, numpy, aiohttp, grpcio, protobuf
@@ -10,7 +10,7 @@ into ``NAME.part-aa``, ``-ab``... (the ``split -b`` convention; ``gpu_serve.sh``
 with ``SHA256SUMS`` of the whole files in the last folder. Each device call carries one folder (the
 working tree travels too: keep ``--call-mib`` a few MiB under the 64 MiB a call carries).
 
-Usage (here, with network): ``python -m ops.tools.gpu_wheels --dest .whl``; it prints the device calls.
+Usage (here, with network): ``python -m benchmarks.recipes.gpu_wheels --dest .whl``; it prints the device calls.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def _sha256(path: Path) -> str:
 def main(argv: list[str] | None = None) -> list[Path]:
     from ops.tools import gsm8k
 
-    p = argparse.ArgumentParser(prog="python -m ops.tools.gpu_wheels", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.recipes.gpu_wheels", description=__doc__.splitlines()[0])
     p.add_argument("--dest", type=Path, default=Path(".whl"))
     p.add_argument("--python-version", default="3.12")
     p.add_argument("--call-mib", type=float, default=59.0, help="most MiB one folder (one device call) holds")
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     for i, folder in enumerate(folders, 1):
         size = sum(f.stat().st_size for f in folder.iterdir()) / MIB
         verb = "run" if i == len(folders) else "stash"
-        print(f"call {i}: carry [\"{folder}\"] ({size:.1f} MiB), command: bash ops/tools/gpu_serve.sh {verb} {folder}")
+        print(f"call {i}: carry [\"{folder}\"] ({size:.1f} MiB), command: bash benchmarks/recipes/gpu_serve.sh {verb} {folder}")
     return folders
 
 

@@ -27,7 +27,7 @@ tokens, ids drawn uniformly from ``[--random-id-low, --random-id-high)``, with
 
 Usage::
 
-    python -m ops.bench.serve --base-url http://127.0.0.1:8000 --num-prompts 50 \\
+    python -m benchmarks.serve --base-url http://127.0.0.1:8000 --num-prompts 50 \\
         --max-concurrency 1 --dataset random --random-input-len 128 --random-output-len 64 \\
         --json bench.json --plot bench.png
 """
@@ -266,7 +266,7 @@ def write_docs(label: str, summary: dict, path: Path = DOCS_PATH) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ops.bench.serve", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
     p.add_argument("--num-prompts", type=int, default=50)
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.write_docs:
             write_docs(args.write_docs, summary)
         return summary
-    meta = {"command": "python -m ops.bench.serve " + shlex.join(sys.argv[1:] if argv is None else argv),
+    meta = {"command": "python -m benchmarks.serve " + shlex.join(sys.argv[1:] if argv is None else argv),
             "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "load_before": os.getloadavg()[0],
             "server": args.server}
     model = args.model or httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]

@@ -1,9 +1,9 @@
 """What each kernel class costs gpt-oss's decode step: the step timed with one class removed at a time.
 
 Under programmatic dependent launch consecutive kernels overlap, so the per-kernel durations of
-``ops.bench.engine --profile`` add up to more than the step and cannot say what removing or fusing a
+``benchmarks.engine --profile`` add up to more than the step and cannot say what removing or fusing a
 kernel would save. This tool measures that directly: it captures the persistent lane's 8-step CUDA graph
-of a random gpt-oss model (as ``ops.bench.engine`` builds it) with one kernel class replaced by a
+of a random gpt-oss model (as ``benchmarks.engine`` builds it) with one kernel class replaced by a
 fixed buffer, and times the replay against the full step, all on the same weights in one process.
 
 Each ablation is a model of its own: the same weights given a :class:`~replicas.kernels.decode_ops.DecodeOps`
@@ -13,7 +13,7 @@ ids), so only the timings mean anything; nothing here is a correctness check. Th
 projections are fused, so the qkv projection is one ``linear`` call that "no qkv GEMV" can replace.
 CUDA only.
 
-Usage (GPU): ``python -m ops.bench.ablation [--shape gpt-oss-120b] [--context 1152] [name ...]``
+Usage (GPU): ``python -m benchmarks.ablation [--shape gpt-oss-120b] [--context 1152] [name ...]``
 (names: see ``--list``; default all).
 """
 
@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float]]:
     if unknown:
         raise SystemExit(f"unknown ablation(s) {unknown}; known: {list(table)}")
     if not torch.cuda.is_available():
-        raise SystemExit("ops.bench.ablation needs an NVIDIA GPU: it times CUDA-graph replays")
-    from ops.bench.engine import build_core
+        raise SystemExit("benchmarks.ablation needs an NVIDIA GPU: it times CUDA-graph replays")
+    from benchmarks.engine import build_core
 
     max_len = args.context + 64
     core = build_core(args.shape, device, torch.bfloat16, max_len)

@@ -1,4 +1,4 @@
-"""ops.bench.standard in a tiny mode (c = 1 and 2, 4 tokens, 2 prompts, no docs): sane numbers, table printed."""
+"""benchmarks.standard in a tiny mode (c = 1 and 2, 4 tokens, 2 prompts, no docs): sane numbers, table printed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from ops.bench import standard as bs
+from benchmarks import standard as bs
 
 TINY = ["--concurrency", "1", "2", "--max-tokens", "4", "--num-prompts", "2", "--no-progress"]
 
@@ -66,7 +66,7 @@ def test_write_docs_is_idempotent(tmp_path, tiny_run):
     bs.write_docs(doc, section)
     assert doc.read_text() == once
     assert once.count(bs.MARK_START) == 1 and once.count(bs.MARK_END) == 1
-    assert "keep me" in once and result["table"] in once and "Command: `python -m ops.bench.standard" in once
+    assert "keep me" in once and result["table"] in once and "Command: `python -m benchmarks.standard" in once
     doc.write_text(once + "\nA note after the section.\n")
     bs.write_docs(doc, section.replace("Command:", "Command (rerun):"))
     again = doc.read_text()

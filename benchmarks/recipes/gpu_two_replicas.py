@@ -1,8 +1,8 @@
 """Two persistent replicas on two GPUs of one machine, and a standard replica on a fraction of one.
 
 The claim "one TP1 persistent replica per GPU" on real hardware (docs/benchmarks.md, "Two persistent
-replicas on two GPUs"). On a machine with two GPUs (``ops/tools/gpu_serve.sh run`` installs the carried
-wheels first; ``GPU_SERVE_RECIPE=ops.tools.gpu_two_replicas`` makes it run this), one local Ray cluster with
+replicas on two GPUs"). On a machine with two GPUs (``benchmarks/recipes/gpu_serve.sh run`` installs the carried
+wheels first; ``GPU_SERVE_RECIPE=benchmarks.recipes.gpu_two_replicas`` makes it run this), one local Ray cluster with
 ``num_gpus=2``, one Serve instance, and the app deployed through Serve's config path (what ``serve deploy``
 does): the embedded SmolLM2-135M-Instruct (real weights), ``cuda_graph`` backend,
 ``num_persistent_replicas=2`` at ``--persistent-gpus`` (0.75) each, so no two fit on one GPU, and one
@@ -12,7 +12,7 @@ fails is recorded in ``errors`` and the others still run) and started only while
 * ``devices``: each engine actor's ``CUDA_VISIBLE_DEVICES``, Ray's GPU ids, ``torch.cuda.current_device()``,
   device name and UUID (``/debug/stats``: the engines' ``accelerator`` field); the two persistent engines'
   must differ;
-* ``tpot``: ``ops.bench.serve`` greedy through HTTP on the persistent lane, one stream alone, then two
+* ``tpot``: ``benchmarks.serve`` greedy through HTTP on the persistent lane, one stream alone, then two
   streams at once (one per replica: both engines' quanta counts grow), TPOT/ITL/TTFT medians and the ratio,
   and how many greedy requests the router spilled to the standard lane (its ``spillovers`` counter);
 * ``sampled``: the two greedy streams again while sampled requests (``--sampled-temperature``) run on the
@@ -30,8 +30,8 @@ on a machine without one; Ray still sets each actor's ``CUDA_VISIBLE_DEVICES`` f
 the engines run on ``device=cpu`` with the ``eager`` backend and small prompts, and every check above but the
 CUDA device names and the TPOT comparison holds the same way.
 
-Usage (device): ``python3 -m ops.tools.gpu_two_replicas --out $OUT``; CPU: ``python -m
-ops.tools.gpu_two_replicas --out /tmp/two --cpu-smoke``.
+Usage (device): ``python3 -m benchmarks.recipes.gpu_two_replicas --out $OUT``; CPU: ``python -m
+benchmarks.recipes.gpu_two_replicas --out /tmp/two --cpu-smoke``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import time
 
 import httpx
 
-from ops.tools.gpu_serve import Recipe, log
+from benchmarks.recipes.gpu_serve import Recipe, log
 
 APP = "two"
 MODEL = "smollm2-135m-instruct"
@@ -168,14 +168,14 @@ def _quanta(recipe: TwoReplicaRecipe) -> dict[int, int]:
 
 def _bench(recipe: TwoReplicaRecipe, prompts: list, concurrency: int, temperature: float = 0.0,
            lane: str | None = "persistent", tokens: int | None = None):
-    from ops.bench.serve import run
+    from benchmarks.serve import run
 
     return run(recipe.base, MODEL, prompts, tokens or recipe.args.new_tokens, float("inf"), concurrency,
                temperature, True, lane, 0, progress=False)
 
 
 def _summary(records, duration) -> dict:
-    from ops.bench.serve import summarize
+    from benchmarks.serve import summarize
 
     s = summarize(records, duration)
     return {"completed": s["completed"], "failed": s["failed"], "errors": s["errors"][:3],
@@ -185,7 +185,7 @@ def _summary(records, duration) -> dict:
 
 
 def _prompts(recipe: TwoReplicaRecipe, n: int, seed: int) -> list:
-    from ops.bench.serve import random_prompts
+    from benchmarks.serve import random_prompts
 
     return random_prompts(n, recipe.args.prompt_len, 100, 20000, seed=seed)
 
@@ -333,7 +333,7 @@ def _ms(v) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ops.tools.gpu_two_replicas", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.recipes.gpu_two_replicas", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for summary.json and report.md")
     p.add_argument("--data", default=None, help="unused (gpu_serve.sh passes its carry folder)")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting sections after this many seconds")

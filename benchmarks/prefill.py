@@ -16,7 +16,7 @@ order; each in its own ``try``, so one failing part does not lose the others; a 
   ``vllm/third_party/triton_kernels``; ``--triton-kernels DIR`` names the folder holding the
   ``triton_kernels`` package) and against the MoE path this project ran before (decode kernels up to 16
   tokens, else each routed expert dequantized); compute and bytes floors.
-* ``gpt-oss-120b`` / ``gpt-oss-20b`` — random weights of the released shapes (``ops/bench/engine.py``):
+* ``gpt-oss-120b`` / ``gpt-oss-20b`` — random weights of the released shapes (``benchmarks/engine.py``):
   TTFT at prompts of 128, 1,024 and 8,192 tokens, batch one, on the persistent lane and the standard lane,
   with the floor (compute at ``--tflops``, bytes at ``--bandwidth-tbps``); a repeated 2,000-token
   prompt on the persistent lane with prefix caching (only the uncached rest is prefilled). For 120b also the
@@ -27,7 +27,7 @@ order; each in its own ``try``, so one failing part does not lose the others; a 
   the persistent lane and the standard lane (new prefill, decode graphs past 16 sequences), and the
   standard lane at concurrency 64 against the same requests one at a time (how many match).
 * ``hf`` — the transformers peer on the gpt-oss-20b shape (its own random bf16 weights, experts dense, as
-  ``ops/bench/engine.py`` builds it): TTFT (``generate`` of one token) at the same prompts, with its dynamic
+  ``benchmarks/engine.py`` builds it): TTFT (``generate`` of one token) at the same prompts, with its dynamic
   cache (eager) and with ``cache_implementation="static"`` (transformers compiles the forward itself). Run it
   in the same call as ``gpt-oss-20b`` for the side-by-side.
 * ``tiles`` — tile alternatives of the grouped MoE GEMMs (64, 1,024, 8,192 tokens) and of the prefill
@@ -36,10 +36,10 @@ order; each in its own ``try``, so one failing part does not lose the others; a 
 Everything is printed as tables at the end and written to ``--out`` (default ``$OUT``): ``report.md``
 (tables, command, GPU and versions), ``results.json``, ``errors.txt`` (tracebacks of failed parts) and
 ``benchmarks_section.md`` (the section for ``docs/benchmarks.md``; merge it with
-``python -m ops.bench.prefill --merge-docs FILE``).
+``python -m benchmarks.prefill --merge-docs FILE``).
 
 Usage (H200, one command, under 9 minutes):
-``python -m ops.bench.prefill --out $OUT --triton-kernels .carry``
+``python -m benchmarks.prefill --out $OUT --triton-kernels .carry``
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class Report:
     def __init__(self, out: Path, argv: list[str], budget_s: float):
         self.out = out
         self.out.mkdir(parents=True, exist_ok=True)
-        self.command = "python -m ops.bench.prefill " + " ".join(argv)
+        self.command = "python -m benchmarks.prefill " + " ".join(argv)
         self.sections: list[tuple[str, list[str]]] = []
         self.rows: dict[str, list[dict]] = {}
         self.errors: list[str] = []
@@ -176,7 +176,7 @@ class Report:
                                                            "tables": self.rows}, indent=1, default=str))
         (self.out / "errors.txt").write_text("\n".join(self.errors) or "no errors\n")
         section = (f"<!-- {DOCS_MARKER}:start -->\n## Prefill and the standard lane on one GPU "
-                   f"(`ops/bench/prefill.py`)\n\n{text}\n<!-- {DOCS_MARKER}:end -->\n")
+                   f"(`benchmarks/prefill.py`)\n\n{text}\n<!-- {DOCS_MARKER}:end -->\n")
         (self.out / "benchmarks_section.md").write_text(section)
 
 
@@ -719,7 +719,7 @@ def profile_prefill(core, prompt: list[int], top: int = 14) -> tuple[float, floa
 
 
 def part_model(rep: Report, args, shape: str) -> None:
-    from ops.bench.engine import build_core
+    from benchmarks.engine import build_core
 
     raw = gpt_oss_config(shape)
     sweep = shape == "gpt-oss-120b" and "sweep" not in args.skip
@@ -974,7 +974,7 @@ def lanes_agreement(dtype=torch.float32, prompts_n: int = 20, tokens: int = 128,
     """Greedy tokens of a small random GPT-OSS: the standard lane (all prompts at once; new prefill kernels,
     decode graphs past 16 sequences) against the persistent lane (``cuda_graph`` backend), and the standard
     lane at ``concurrency`` against the same requests one at a time. Returns the counts."""
-    from ops.bench.engine import build_core
+    from benchmarks.engine import build_core
     from ops.tools.make_tiny_gpt_oss import real_config
     from replicas.engine import LLMEngine
     from replicas.messages import GenerateRequest
@@ -1060,7 +1060,7 @@ def part_lanes(rep: Report, args) -> None:
 def part_hf(rep: Report, args) -> None:
     import transformers
 
-    from ops.bench.engine import hf_model, time_hf
+    from benchmarks.engine import hf_model, time_hf
 
     raw = gpt_oss_config("gpt-oss-20b")
     t0 = time.perf_counter()
@@ -1090,7 +1090,7 @@ def part_hf(rep: Report, args) -> None:
             torch.cuda.empty_cache()
     rep.table("TTFT, batch one, gpt-oss-20b shape, transformers (random bf16 weights, experts dense), ms",
               ["prompt", "transformers, dynamic cache", "transformers, static cache", "note"], rows,
-              f"transformers {transformers.__version__}; `generate` of one greedy token (`ops.bench.engine.time_hf`), "
+              f"transformers {transformers.__version__}; `generate` of one greedy token (`benchmarks.engine.time_hf`), "
               f"median of {args.reps} after an untimed call per length; built in {build_s:.0f} s. The static cache is what transformers "
               "compiles (its decode forward); the first token is its prefill either way. Ours: the gpt-oss-20b "
               "table of the same call.")
@@ -1141,7 +1141,7 @@ def main(argv: list[str] | None = None) -> Report | None:
         S.make_smoke()
         args.new_tokens = min(args.new_tokens, 4)
     elif not torch.cuda.is_available():
-        raise SystemExit("ops.bench.prefill needs a CUDA GPU (or --smoke)")
+        raise SystemExit("benchmarks.prefill needs a CUDA GPU (or --smoke)")
     rep = Report(Path(args.out), argv, args.budget_s)
     runners = {"checks": part_checks, "kernels": part_kernels, "lanes": part_lanes, "tiles": part_tiles,
                "hf": part_hf,

@@ -2,7 +2,7 @@
 
 Against a running server, three runs of ``--rounds`` rounds each, every request greedy with
 ``--prompt-len`` random token ids and exactly ``--max-tokens`` output tokens (``ignore_eos``), lanes
-forced with the ``x-lane`` header (``ops.bench.serve`` is the client):
+forced with the ``x-lane`` header (``benchmarks.serve`` is the client):
 
 * ``persistent alone``: one persistent stream;
 * ``standard alone``: ``--standard-streams`` standard streams at once;
@@ -14,7 +14,7 @@ persistent quantum in turn, so each lane's decode time grows by the other's step
 
 Usage::
 
-    python -m ops.bench.interference --base-url http://127.0.0.1:8000 --standard-streams 4 --json lanes.json
+    python -m benchmarks.interference --base-url http://127.0.0.1:8000 --standard-streams 4 --json lanes.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from ops.bench.serve import RequestRecord, random_prompts, run
+from benchmarks.serve import RequestRecord, random_prompts, run
 
 
 def _medians(records: list[RequestRecord]) -> dict[str, float | None]:
@@ -103,7 +103,7 @@ def format_result(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m ops.bench.interference", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.interference", description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None)
     p.add_argument("--standard-streams", type=int, default=4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ops.bench.engine import bytes_per_token, main
+from benchmarks.engine import bytes_per_token, main
 from ops.tools.model_shapes import shape_config
 
 
@@ -38,7 +38,7 @@ def test_bytes_per_token_at_the_real_gpt_oss_shapes(shape, gigabytes):
 
 
 def test_variants_are_engine_config_settings_checked_before_anything_runs():
-    from ops.bench.engine import describe_variant, parse_variant
+    from benchmarks.engine import describe_variant, parse_variant
 
     assert parse_variant("pipeline_quanta=0 moe_backend=triton_tc moe_tiles=pairs:2+depth:2") == {
         "pipeline_quanta": "0", "moe_backend": "triton_tc", "moe_tiles": {"pairs": 2, "depth": 2}}

@@ -35,7 +35,7 @@ Starts a local Ray cluster, deploys the app (the embedded model unless ``--model
 * **CPU per token** (``--cpu-per-token C``): each serving process's CPU time per output token while
   streams run at concurrency ``C`` on the standard lane (:func:`cpu_per_token`).
 
-Usage: ``python -m ops.bench.hops --iters 200 --breakdown 20 --cpu-per-token 8``
+Usage: ``python -m benchmarks.hops --iters 200 --breakdown 20 --cpu-per-token 8``
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ an error). The table is printed last; ``--write-docs`` puts it, the command
 and the machine into ``docs/benchmarks.md`` (between markers, idempotently)
 and plots ``docs/bench_standard.png``.
 
-Usage: ``python -m ops.bench.standard [--concurrency 1 8 32] [--max-tokens 64]
+Usage: ``python -m benchmarks.standard [--concurrency 1 8 32] [--max-tokens 64]
 [--num-prompts N] [--model smollm2-135m-instruct] [--threads T] [--write-docs]
 [--json out.json]``
 """
@@ -520,7 +520,7 @@ def write_plot(rows: list[dict], path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse the command line; ``--num-prompts`` defaults to the largest concurrency."""
-    p = argparse.ArgumentParser(prog="python -m ops.bench.standard", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.standard", description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=None, help="GSM8K questions to load (default: max concurrency)")
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> dict:
     """
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
-    command = " ".join(["python -m ops.bench.standard", *map(shlex.quote, raw)])
+    command = " ".join(["python -m benchmarks.standard", *map(shlex.quote, raw)])
     progress = not args.no_progress
     if args.threads:
         torch.set_num_threads(args.threads)

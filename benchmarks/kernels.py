@@ -13,7 +13,7 @@ Families (``--kernels``, comma-separated; default: all):
 Each call is captured many times in one CUDA graph and timed with CUDA events; a cuBLAS bf16 GEMV of
 265 MB is printed first as the achievable-bandwidth yardstick.
 
-Usage (GPU): ``python -m ops.bench.kernels [--kernels hopper_bulk,triton_tc,dense,attention]``.
+Usage (GPU): ``python -m benchmarks.kernels [--kernels hopper_bulk,triton_tc,dense,attention]``.
 """
 
 from __future__ import annotations
