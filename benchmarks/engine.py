@@ -28,7 +28,7 @@ the ``K`` routed experts of ``E``) + the KV read at the mean context (window-
 limited on sliding layers); the floor is that over the HBM bandwidth
 (``--bandwidth-tbps``, H200: 4.8).
 
-Usage (H200): ``python -m benchmarks.engine --hf-compile --smollm2 PATH --write-docs``
+Usage (H200): ``python -m benchmarks.engine --hf-compile --smollm2 PATH --results benchmarks/results``
 (``--profile`` adds the per-kernel breakdown of the last shape);
 CPU smoke run: ``python -m benchmarks.engine --device cpu --tiny``.
 """
@@ -382,8 +382,8 @@ def run(args) -> list[Row]:
                 row("standard", time_standard(core, prompt, slow_tokens, 1 if gpt_oss else args.reps), slow_tokens)
             del core
             _free(device)
-            if args.write_docs:  # after every build, so that a run cut short still leaves its numbers
-                write_docs(table(rows), args)
+            if args.results:  # after every build, so that a run cut short still leaves its numbers
+                _save(rows, args)
         if args.no_hf or (gpt_oss and raw["num_local_experts"] > 32 and not args.hf_120b):
             continue
         try:
@@ -400,8 +400,8 @@ def run(args) -> list[Row]:
                 print(f"  {lane} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 rows.append(Row(label, lane, float("nan"), float("nan"), bpt, floor, None, 0,
                                 f"failed: {type(exc).__name__}"))
-            if args.write_docs:
-                write_docs(table(rows), args)
+            if args.results:
+                _save(rows, args)
         del hf
         _free(device)
     return rows
@@ -490,7 +490,7 @@ def kernel_class(name: str) -> str:
 
 
 def profile_rows(backend, context: int, label: str, args) -> str:
-    """Print (and with ``--write-docs`` record) where one decode step of ``backend``'s model goes."""
+    """Print where one decode step of ``backend``'s model goes."""
     rows, gpu_ms, wall_ms = kernel_breakdown(backend, context)
     total = sum(r[2] for r in rows)
     launches = sum(r[1] for r in rows)
@@ -515,10 +515,6 @@ def profile_rows(backend, context: int, label: str, args) -> str:
               f"host gap {wall_ms - gpu_ms:.3f} ms per quantum."]
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
-    if args.write_docs:
-        write_docs(text, args, marker=f"{args.docs_section}_profile",
-                   title=f"Where a decode step's time goes: {label} (`--profile`)",
-                   command=f"python -m benchmarks.engine --profile --shapes {args.shapes}")
     return text
 
 
@@ -585,9 +581,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--json", help="write rows as JSON here")
     p.add_argument("--plot", help="write a PNG bar chart here")
     p.add_argument("--replot", help="only re-draw --plot from a --json file of an earlier run")
-    p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md (and docs/<section>.png/json)")
-    p.add_argument("--docs-section", default="bench_engine",
-                   help="marker of the docs/benchmarks.md section (and the plot/JSON file names) this run owns")
+    p.add_argument("--results", type=Path, default=None,
+                   help="write the batch_one study result here (benchmarks/results keeps what the docs show)")
     args = p.parse_args(argv)
     if args.tiny:
         args.shapes = "tiny,tiny-gpt-oss"
@@ -603,38 +598,33 @@ def main(argv: list[str] | None = None) -> list[Row]:
     text = table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2))
-    docs = Path(__file__).resolve().parents[2] / "docs"
-    if args.write_docs:
-        write_docs(text, args)
-        (docs / f"{args.docs_section}.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
-    if args.plot or args.write_docs:
-        if not plot(rows, Path(args.plot) if args.plot else docs / f"{args.docs_section}.png"):
-            print("matplotlib is not installed: no plot (re-draw later with --replot)")
+    if args.results:
+        print(f"wrote {_save(rows, args)}")
+    if args.plot and not plot(rows, Path(args.plot)):
+        print("matplotlib is not installed: no plot (re-draw later with --replot)")
     print("\n" + text)
     return rows
 
 
-def write_docs(text: str, args, marker: str | None = None, title: str | None = None,
-               command: str | None = None) -> None:
-    """Replace (or append) the section between ``<!-- marker:start/end -->`` in docs/benchmarks.md."""
-    marker = marker or args.docs_section
-    title = title or f"Engine, batch one: {args.shapes} (`benchmarks/engine.py`)"
-    path = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
-    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
-    if command is None:
-        flags = [f"--shapes {args.shapes}", f"--docs-section {args.docs_section}", f"--prompt-len {args.prompt_len}",
-                 f"--new-tokens {args.new_tokens}", f"--slow-new-tokens {args.slow_new_tokens}", f"--reps {args.reps}"]
-        flags += [flag for flag, on in (("--hf-compile", args.hf_compile), ("--smollm2 PATH", args.smollm2),
-                                        ("--no-hf", args.no_hf), ("--profile", args.profile)) if on]
-        flags += [f"--variants '{args.variants}'"] if args.variants else []
-        command = "python -m benchmarks.engine " + " ".join(flags)
-    section = f"{start}\n## {title}\n\nCommand: `{command}`\nMachine: {machine()}\n\n{text}\n{end}"
-    doc = path.read_text() if path.exists() else "# Benchmarks\n"
-    if start in doc:
-        doc = doc[: doc.index(start)] + section + doc[doc.index(end) + len(end):]
-    else:
-        doc = doc.rstrip() + "\n\n" + section + "\n"
-    path.write_text(doc)
+def _save(rows: list[Row], args) -> Path:
+    from benchmarks.results import write_result
+
+    notes = (f"Random weights unless --smollm2; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens "
+             f"({args.slow_new_tokens} for the slow lanes on GPT-OSS shapes), median of {args.reps}; "
+             f"floor = bytes per token at {args.bandwidth_tbps} TB/s.")
+    return write_result("batch_one", result_rows(rows, args.prompt_len), args.results, notes=notes)
+
+
+def result_rows(rows: list[Row], prompt_tokens: int) -> list[dict]:
+    """The ``batch_one`` study's rows (:mod:`benchmarks.studies`); a lane named ``persistent [variant]`` gives
+    ``lane`` and ``variant`` apart."""
+    out = []
+    for r in rows:
+        lane, _, variant = r.lane.partition(" ")
+        out.append({"shape": r.shape, "lane": lane, "variant": variant.strip("[]() ") or None,
+                    "prompt_tokens": prompt_tokens, "ttft_ms": r.ttft_ms, "tpot_ms": r.tpot_ms,
+                    "tpot_floor_ms": r.floor_ms, "kernels_per_token": r.kernels_per_token, "note": r.note or None})
+    return out
 
 
 if __name__ == "__main__":

@@ -1,14 +1,9 @@
 """Prefill and standard-lane benchmark on one GPU, in one call: kernel checks, kernel peers, TTFT, batching.
 
-Parts (``--parts``; by default ``checks``, the two model shapes, ``hf``, ``kernels``, ``lanes``, ``tiles``, in that
+Parts (``--parts``; by default the two model shapes, ``hf``, ``kernels``, ``lanes``, ``tiles``, in that
 order; each in its own ``try``, so one failing part does not lose the others; a time budget,
-``--budget-s``, skips what would not fit):
-
-* ``checks`` — the new kernels in bf16 on fresh random inputs against their torch references in fp32:
-  prefill attention (:mod:`replicas.kernels.prefill_attention`; ragged batches, chunks after cached context,
-  decode tokens, sinks, the 128-token window) and the grouped MXFP4 MoE GEMMs
-  (:mod:`replicas.kernels.moe.grouped_gemm`, both weight layouts); the tensor step metadata
-  (:mod:`replicas.step_inputs`) against the list path on the device.
+``--budget-s``, skips what would not fit). The kernels' correctness checks in bf16 are GPU tests
+(``tests/gpu/test_prefill_gpu.py``), not part of this benchmark.
 * ``kernels`` — kernel-level timings at gpt-oss-120b's layer shapes, tokens 1, 16, 64, 1,024, 8,192, with
   the peers side by side: prefill attention against ``torch.nn.functional.scaled_dot_product_attention``
   (flash backend, causal, without sinks: the peer cannot take them); the MoE layer (both GEMMs and the
@@ -23,9 +18,10 @@ order; each in its own ``try``, so one failing part does not lose the others; a 
   standard lane at concurrency 1, 8, 16, 64, 256 (random 1,024-token prompts, 128 new tokens, greedy):
   output tok/s, ITL median/p99, the median decode step at full concurrency and its fraction of the
   bandwidth floor of what it reads (dense weights, the distinct experts ``c`` tokens route to, the KV).
-* ``lanes`` — a small random GPT-OSS in fp32 and bf16: greedy tokens of 20 prompts x 128 identical between
-  the persistent lane and the standard lane (new prefill, decode graphs past 16 sequences), and the
-  standard lane at concurrency 64 against the same requests one at a time (how many match).
+* ``lanes`` — a small random GPT-OSS in fp32, bf16 and bf16 with ``batch_invariant``: greedy tokens of 20
+  prompts x 128 identical between the persistent lane and the standard lane (new prefill, decode graphs
+  past 16 sequences), and the standard lane at concurrency 64 against the same requests one at a time (how
+  many match; ``docs/exactness.md``).
 * ``hf`` — the transformers peer on the gpt-oss-20b shape (its own random bf16 weights, experts dense, as
   ``benchmarks/engine.py`` builds it): TTFT (``generate`` of one token) at the same prompts, with its dynamic
   cache (eager) and with ``cache_implementation="static"`` (transformers compiles the forward itself). Run it
@@ -34,9 +30,9 @@ order; each in its own ``try``, so one failing part does not lose the others; a 
   attention (8,192 tokens), for choosing the defaults.
 
 Everything is printed as tables at the end and written to ``--out`` (default ``$OUT``): ``report.md``
-(tables, command, GPU and versions), ``results.json``, ``errors.txt`` (tracebacks of failed parts) and
-``benchmarks_section.md`` (the section for ``docs/benchmarks.md``; merge it with
-``python -m benchmarks.prefill --merge-docs FILE``).
+(tables, command, GPU and versions), ``errors.txt`` (tracebacks of failed parts) and one result file per
+study (:mod:`benchmarks.results`: ``batch_one``, ``standard_sweep``, ``lane_agreement``), which
+``benchmarks/results/`` keeps for ``docs/benchmarks.md``.
 
 Usage (H200, one command, under 9 minutes):
 ``python -m benchmarks.prefill --out $OUT --triton-kernels .carry``
@@ -48,9 +44,7 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -58,8 +52,11 @@ from pathlib import Path
 
 import torch
 
-DOCS_MARKER = "bench_prefill"
-PARTS = ("checks", "gpt-oss-120b", "gpt-oss-20b", "hf", "kernels", "lanes", "tiles")
+from benchmarks.results import machine
+from ops.tools import fixtures
+from ops.tools.fixtures import SMALL_GPT_OSS, rel_err, repacked_copy
+
+PARTS = ("gpt-oss-120b", "gpt-oss-20b", "hf", "kernels", "lanes", "tiles")
 """In priority order: the headline measurements first, so a run cut short by its time budget keeps them."""
 
 
@@ -147,20 +144,12 @@ class Report:
         self.write()
 
     def study(self, name: str, rows: list[dict]) -> None:
-        """Write ``OUT/<name>.json``: one benchmark result (``study``, ``command``, ``machine``, ``git_commit``
-        (``$GIT_COMMIT``, else ``git rev-parse HEAD``), ``date``, ``rows``), the file ``benchmarks/results/``
-        keeps. Rows of one study accumulate over the run."""
+        """Add ``rows`` to study ``name`` and (re)write its result file in ``out``
+        (:func:`benchmarks.results.write_result`): a run cut short keeps what it measured."""
+        from benchmarks.results import write_result
+
         self.studies.setdefault(name, []).extend(rows)
-        commit = os.environ.get("GIT_COMMIT")
-        if not commit:
-            try:
-                commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                        check=True).stdout.strip()
-            except (OSError, subprocess.CalledProcessError):
-                commit = "unknown"
-        doc = {"study": name, "command": self.command, "machine": machine(), "git_commit": commit,
-               "date": time.strftime("%Y-%m-%d"), "rows": self.studies[name]}
-        (self.out / f"{name}.json").write_text(json.dumps(doc, indent=1, default=str))
+        write_result(name, self.studies[name], self.out, command=self.command)
 
     def markdown(self) -> str:
         head = [f"Command: `{self.command}`", f"Machine: {machine()}", ""]
@@ -170,14 +159,8 @@ class Report:
         return "\n".join(head + body)
 
     def write(self) -> None:
-        text = self.markdown()
-        (self.out / "report.md").write_text(text)
-        (self.out / "results.json").write_text(json.dumps({"command": self.command, "machine": machine(),
-                                                           "tables": self.rows}, indent=1, default=str))
+        (self.out / "report.md").write_text(self.markdown())
         (self.out / "errors.txt").write_text("\n".join(self.errors) or "no errors\n")
-        section = (f"<!-- {DOCS_MARKER}:start -->\n## Prefill and the standard lane on one GPU "
-                   f"(`benchmarks/prefill.py`)\n\n{text}\n<!-- {DOCS_MARKER}:end -->\n")
-        (self.out / "benchmarks_section.md").write_text(section)
 
 
 def _fmt(v) -> str:
@@ -186,14 +169,6 @@ def _fmt(v) -> str:
             return "—"
         return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
     return str(v)
-
-
-def machine() -> str:
-    import triton
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "CPU"
-    return (f"{gpu}; torch {torch.__version__}; triton {triton.__version__}; Python {platform.python_version()}; "
-            f"{time.strftime('%Y-%m-%d')}")
 
 
 def cuda_ms(fn, reps: int = 10, warmup: int = 2) -> float:
@@ -219,180 +194,14 @@ def cuda_ms(fn, reps: int = 10, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``max |got - want| / max |want|`` in fp32."""
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
-
-
-# ------------------------------------------------------------------------------------------- inputs
-
-
 def random_experts(e: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
-    """``E`` random packed MXFP4 experts (GPT-OSS buffer names; scales 2**-9..2**-4 as trained experts)."""
-    from types import SimpleNamespace
-
-    g = torch.Generator(device=S.device).manual_seed(seed)
-
-    def packed(rows, cols):
-        b = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8, device=S.device)
-        s = torch.randint(118, 124, (e, rows, cols // 32), generator=g, dtype=torch.uint8, device=S.device)
-        return b, s
-
-    gub, gus = packed(2 * inter, hidden)
-    db, ds = packed(hidden, inter)
-    return SimpleNamespace(
-        gate_up_proj_blocks=gub, gate_up_proj_scales=gus, down_proj_blocks=db, down_proj_scales=ds,
-        gate_up_proj_bias=(0.1 * torch.randn(e, 2 * inter, generator=g, device=S.device)).to(dtype),
-        down_proj_bias=(0.1 * torch.randn(e, hidden, generator=g, device=S.device)).to(dtype),
-        alpha=1.702, limit=7.0, decode_layout=False)
-
-
-def repacked_copy(experts):
-    """A copy of ``experts`` with the blocks in the decode layout (what the model holds on Hopper)."""
-    from types import SimpleNamespace
-
-    from replicas.kernels.moe.decode_layout import repack_
-
-    out = SimpleNamespace(**vars(experts))
-    out.gate_up_proj_blocks = repack_(experts.gate_up_proj_blocks.clone())
-    out.down_proj_blocks = repack_(experts.down_proj_blocks.clone())
-    out.decode_layout = True
-    return out
-
-
-def fp32_copy(experts):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(**{k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-                              for k, v in vars(experts).items()})
+    """:func:`ops.tools.fixtures.random_experts` on ``S.device``."""
+    return fixtures.random_experts(e, hidden, inter, dtype, seed, S.device)
 
 
 def attention_batch(q_lens, ctx_lens, seed=0):
-    """Random query and cache planes (``S.heads``, ``S.dtype``) and the batch's :class:`AttentionMetadata`
-    (shuffled pages)."""
-    from replicas.kernels.paged_attention import AttentionMetadata
-
-    heads, kv_heads, head_dim = S.heads
-    dev = S.device
-    g = torch.Generator(device=dev).manual_seed(seed)
-    pages = [-(-c // 16) for c in ctx_lens]
-    blocks = sum(pages) + 4
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=g, device=dev).to(S.dtype)
-    kp = torch.randn(blocks, 16, kv_heads, head_dim, generator=g, device=dev).to(S.dtype)
-    vp = torch.randn(blocks, 16, kv_heads, head_dim, generator=g, device=dev).to(S.dtype)
-    perm = torch.randperm(blocks, generator=g, device=dev)
-    tables, used = [], 0
-    for n in pages:
-        tables.append(perm[used:used + n])
-        used += n
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
-    positions = torch.cat([torch.arange(c - n, c, device=dev) for n, c in zip(q_lens, ctx_lens, strict=True)])
-    meta = AttentionMetadata(positions=positions, slot_mapping=positions, query_start=starts,
-                             context_lens=list(ctx_lens), block_tables=tables)
-    return q, kp, vp, meta
-
-
-# ------------------------------------------------------------------------------------------- checks
-
-
-ATTENTION_CASES = (
-    ("whole prompt 777", [777], [777], None),
-    ("whole prompt 777, window 128", [777], [777], 128),
-    ("ragged: chunk 300 after 700, 2 decodes, prompt 513, chunk 64 after 1000", [300, 1, 1, 513, 64],
-     [1000, 1500, 40, 513, 1064], None),
-    ("same, window 128", [300, 1, 1, 513, 64], [1000, 1500, 40, 513, 1064], 128),
-)
-SMOKE_ATTENTION_CASES = (("ragged", [20, 1, 9], [50, 30, 9], None), ("ragged, window 8", [20, 1, 9], [50, 30, 9], 8))
-
-
-def check_attention(tol: float = 2e-2) -> list[list]:
-    """Rows ``[case, max rel err, tol, ok]``: the dispatching :func:`paged_attention` (Triton on CUDA, bf16)
-    against :func:`paged_attention_reference` in fp32 on the same values, sinks on."""
-    from replicas.kernels.paged_attention import paged_attention, paged_attention_reference
-    from replicas.kernels.prefill_attention import triton_prefill_attention
-
-    rows = []
-    for i, (name, q_lens, ctx_lens, window) in enumerate(SMOKE_ATTENTION_CASES if S.smoke else ATTENTION_CASES):
-        q, kp, vp, meta = attention_batch(q_lens, ctx_lens, seed=i)
-        sinks = torch.randn(S.heads[0], generator=torch.Generator(device=S.device).manual_seed(i),
-                            device=S.device).to(S.dtype)
-        if S.smoke:  # the CPU dispatch takes the reference: call the kernel itself (the interpreter runs it)
-            from replicas.kernels.prefill_attention import num_tiles_for, tokens_per_tile
-
-            dev = meta.device_view(q.device)
-            n = num_tiles_for(meta.query_lens, tokens_per_tile(q.shape[1], kp.shape[2]))
-            got = triton_prefill_attention(q, kp, vp, dev.query_start, dev.context_lens, dev.block_table, 0.125, n,
-                                           sinks=sinks, sliding_window=window)
-        else:
-            got = paged_attention(q, kp, vp, meta, 0.125, sinks=sinks, sliding_window=window)
-        want = paged_attention_reference(q.float(), kp.float(), vp.float(), meta, 0.125, sinks=sinks.float(),
-                                         sliding_window=window)
-        err = rel_err(got, want)
-        rows.append([f"attention: {name}", err, tol, err < tol])
-    return rows
-
-
-def check_moe(tol: float = 2e-2, experts=None) -> list[list]:
-    """Rows: the grouped MoE GEMMs (bf16, both layouts) against the dequantize-then-GEMM reference in fp32,
-    32 experts of gpt-oss-120b's widths, top 4."""
-    from replicas.kernels.moe import moe_reference
-    from replicas.kernels.moe.grouped_gemm import experts_moe
-
-    _, hidden, inter, k = S.moe
-    e = S.check_experts
-    experts = experts or random_experts(e, hidden, inter, S.dtype, seed=1)
-    layouts = {"checkpoint layout": experts, "decode layout": repacked_copy(experts)}
-    ref_experts = fp32_copy(experts)
-    rows = []
-    for t in S.moe_check_tokens:
-        g = torch.Generator(device=S.device).manual_seed(t)
-        x = torch.randn(t, hidden, generator=g, device=S.device).to(S.dtype)
-        logits = torch.randn(t, e, generator=g, device=S.device)
-        top, ids = torch.topk(logits, k, dim=-1)
-        weights = torch.softmax(top, -1).to(S.dtype)
-        want = moe_reference(x.float(), weights.float(), ids, ref_experts)
-        for name, ex in layouts.items():
-            err = rel_err(experts_moe(x, weights, ids, ex), want)
-            rows.append([f"grouped MoE: {t} tokens, {name}", err, tol, err < tol])
-    return rows
-
-
-def check_step_inputs() -> list[list]:
-    """The tensor step metadata on the GPU equals the list path (positions, slots, tables)."""
-    from replicas.kv_cache import PageAllocator
-    from replicas.model_runner import build_metadata
-    from replicas.request import Request, SamplingParams
-    from replicas.step_inputs import StepInputs
-
-    alloc = PageAllocator(400)
-    g = torch.Generator().manual_seed(0)
-    reqs = [Request(f"r{i}", torch.randint(0, 999, (n,), generator=g).tolist(), SamplingParams())
-            for i, n in enumerate((300, 17, 1000))]
-    for r in reqs:
-        alloc.grow(r.block_table, r.num_prompt_tokens)
-    reqs[2].num_computed_tokens = 640
-    batch = [(reqs[0], 300), (reqs[1], 17), (reqs[2], 360)]
-    inputs = StepInputs(S.device, max_blocks=128)
-    ids_t, meta_t = inputs.build(batch)
-    ids_l, meta_l = build_metadata(batch, S.device)
-    ok = (torch.equal(ids_t.long(), ids_l) and torch.equal(meta_t.positions, meta_l.positions)
-          and torch.equal(meta_t.slot_mapping, meta_l.slot_mapping)
-          and torch.equal(meta_t.last_token_indices.cpu(), meta_l.last_token_indices))
-    return [[f"step metadata: tensor path == list path ({S.device})", 0.0 if ok else 1.0, 0.0, ok]]
-
-
-def part_checks(rep: Report, args) -> None:
-    rows = []
-    for fn in (check_attention, check_moe, check_step_inputs):
-        try:
-            rows += fn()
-        except Exception as exc:  # noqa: BLE001 - the other checks still run
-            rep.error(f"checks/{fn.__name__}", exc)
-    rep.table(f"Kernel checks, {str(S.dtype).removeprefix('torch.')}, fresh random inputs (against torch "
-              "references in fp32)",
-              ["check", "max rel err", "tolerance", "ok"], rows)
+    """:func:`ops.tools.fixtures.attention_batch` with ``S.heads``, ``S.dtype`` and ``S.device``."""
+    return fixtures.attention_batch(q_lens, ctx_lens, S.heads, S.dtype, S.device, seed)
 
 
 # ------------------------------------------------------------------------------------------- kernels
@@ -917,16 +726,14 @@ def part_tiles(rep: Report, args) -> None:
         bm = mg.pick_block_m(t * k, e)
         want = mg.experts_moe(x, w, ids, experts)
         for bn, bk, warps, stages in tiles:
-            mg.TILE_OVERRIDES[bm] = mg.TileConfig(bm, bn, bk, warps, stages)
+            tile = mg.TileConfig(bm, bn, bk, warps, stages)
             try:
-                ms = cuda_ms(lambda x=x, w=w, i=ids: mg.experts_moe(x, w, i, experts))
-                err = rel_err(mg.experts_moe(x, w, ids, experts), want)
+                ms = cuda_ms(lambda x=x, w=w, i=ids, tile=tile: mg.experts_moe(x, w, i, experts, tile=tile))
+                err = rel_err(mg.experts_moe(x, w, ids, experts, tile=tile), want)
                 rows.append([f"MoE {t} tokens", f"M{bm} N{bn} K{bk} w{warps} s{stages}", ms, err])
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile
                 rows.append([f"MoE {t} tokens", f"M{bm} N{bn} K{bk} w{warps} s{stages}", float("nan"),
                              f"{type(exc).__name__}: {str(exc)[:80]}"])
-            finally:
-                mg.TILE_OVERRIDES.clear()
     if "attention" not in args.skip:
         _attention_tiles(rep, rows)
     rep.table("Tile alternatives (first row of each group: the default), gpt-oss-120b layer shapes",
@@ -942,31 +749,28 @@ def _attention_tiles(rep: Report, rows: list) -> None:
     q, kp, vp, meta = attention_batch([n], [n], seed=9)
     sinks = torch.randn(S.heads[0], device=S.device).to(S.dtype)
     want = paged_attention(q, kp, vp, meta, 0.125, sinks=sinks)
+    dev = meta.device_view(q.device)
     for bm, bn, warps, stages in ATTN_TILES[:2] if S.smoke else ATTN_TILES:
         if rep.left() < 15:
             break
-        pa.CONFIG_OVERRIDES.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-        meta.cache.clear()  # the tile map depends on BLOCK_M
+        config = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+        block_t = pa.tokens_per_tile(q.shape[1], kp.shape[2], bm)  # the tile map depends on BLOCK_M
+        num_tiles = pa.num_tiles_for(meta.query_lens, block_t)
+        tiles = pa.tile_map(dev.query_start, block_t, num_tiles)
+
+        def call(config=config, num_tiles=num_tiles, tiles=tiles):
+            return pa.triton_prefill_attention(q, kp, vp, dev.query_start, dev.context_lens, dev.block_table,
+                                               0.125, num_tiles, sinks=sinks, tiles=tiles, config=config)
+
         try:
-            ms = cuda_ms(lambda: paged_attention(q, kp, vp, meta, 0.125, sinks=sinks))
-            rows.append([f"attention {n} tokens", f"M{bm} N{bn} w{warps} s{stages}", ms,
-                         rel_err(paged_attention(q, kp, vp, meta, 0.125, sinks=sinks), want)])
+            ms = cuda_ms(call)
+            rows.append([f"attention {n} tokens", f"M{bm} N{bn} w{warps} s{stages}", ms, rel_err(call(), want)])
         except Exception as exc:  # noqa: BLE001
             rows.append([f"attention {n} tokens", f"M{bm} N{bn} w{warps} s{stages}", float("nan"),
                          f"{type(exc).__name__}: {str(exc)[:80]}"])
-        finally:
-            pa.CONFIG_OVERRIDES.clear()
-            meta.cache.clear()
 
 
 # ------------------------------------------------------------------------------------------- lanes
-
-
-SMALL_GPT_OSS = {
-    "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "head_dim": 64, "num_local_experts": 16, "vocab_size": 4096,
-    "layer_types": ["sliding_attention", "full_attention"] * 2, "pad_token_id": 0, "eos_token_id": 1,
-}
 
 
 def lanes_agreement(dtype=torch.float32, prompts_n: int = 20, tokens: int = 128, concurrency: int = 64,
@@ -1099,20 +903,6 @@ def part_hf(rep: Report, args) -> None:
 # ------------------------------------------------------------------------------------------- main
 
 
-def merge_docs(section_file: str) -> None:
-    """Replace (or append) this benchmark's section of ``docs/benchmarks.md`` with ``section_file``'s."""
-    text = Path(section_file).read_text()
-    start, end = f"<!-- {DOCS_MARKER}:start -->", f"<!-- {DOCS_MARKER}:end -->"
-    path = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
-    doc = path.read_text()
-    if start in doc:
-        doc = doc[: doc.index(start)] + text.strip() + doc[doc.index(end) + len(end):]
-    else:
-        doc = doc.rstrip() + "\n\n" + text.strip() + "\n"
-    path.write_text(doc)
-    print(f"merged {section_file} into {path}")
-
-
 def main(argv: list[str] | None = None) -> Report | None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -1125,7 +915,6 @@ def main(argv: list[str] | None = None) -> Report | None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--bandwidth-tbps", type=float, default=4.8, help="HBM bandwidth for the floors (H200: 4.8)")
     p.add_argument("--tflops", type=float, default=790.0, help="dense bf16 TFLOP/s for the floors (H200, measured)")
-    p.add_argument("--merge-docs", help="only merge this benchmarks_section.md into docs/benchmarks.md")
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                    help="engine config field for the model parts (repeatable), e.g. batch_invariant=true")
     p.add_argument("--smoke", action="store_true",
@@ -1133,9 +922,6 @@ def main(argv: list[str] | None = None) -> Report | None:
     args = p.parse_args(argv)
     S.engine = {k: json.loads(v.lower() if v.lower() in ("true", "false") else v) if v[:1].isdigit() or
                 v.lower() in ("true", "false") else v for k, v in (kv.split("=", 1) for kv in args.engine)}
-    if args.merge_docs:
-        merge_docs(args.merge_docs)
-        return None
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         S.make_smoke()
@@ -1143,7 +929,7 @@ def main(argv: list[str] | None = None) -> Report | None:
     elif not torch.cuda.is_available():
         raise SystemExit("benchmarks.prefill needs a CUDA GPU (or --smoke)")
     rep = Report(Path(args.out), argv, args.budget_s)
-    runners = {"checks": part_checks, "kernels": part_kernels, "lanes": part_lanes, "tiles": part_tiles,
+    runners = {"kernels": part_kernels, "lanes": part_lanes, "tiles": part_tiles,
                "hf": part_hf,
                "gpt-oss-120b": lambda r, a: part_model(r, a, "gpt-oss-120b"),
                "gpt-oss-20b": lambda r, a: part_model(r, a, "gpt-oss-20b")}

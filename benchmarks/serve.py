@@ -15,9 +15,8 @@ Output tokens come from the stream's final usage chunk. The summary has mean,
 median and p99 of each (ms), request and token throughput, and the same per
 lane (from the ``x-lane`` response header). ``--json`` writes it with the
 per-request records; ``--plot`` draws a PNG (TTFT and E2EL per lane);
-``--write-docs LABEL`` puts the table, the command and the machine into
-``docs/benchmarks.md`` between ``bench_serve:LABEL`` markers (idempotent;
-``--from-json FILE`` re-renders a saved run instead of running one).
+``--results DIR --label LABEL`` writes the ``serving`` study's result file there
+(:mod:`benchmarks.results`; ``--from-json FILE`` writes it from a saved run instead of running one).
 
 Prompts: ``--dataset random`` (token-id prompts of exactly ``--random-input-len``
 tokens, ids drawn uniformly from ``[--random-id-low, --random-id-high)``, with
@@ -51,8 +50,6 @@ import httpx
 from tqdm.auto import tqdm
 
 from ops.tools import gsm8k
-
-DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 
 @dataclass
@@ -233,36 +230,27 @@ def plot(records: list[RequestRecord], path: Path) -> None:
     plt.close(fig)
 
 
-def docs_section(label: str, summary: dict) -> str:
-    """Markdown for ``docs/benchmarks.md``: command, machine, load, and the printed table."""
+def summary_rows(label: str, summary: dict) -> list[dict]:
+    """The ``serving`` study's rows (:mod:`benchmarks.studies`): one per scope (all requests, then each lane),
+    medians and p99s in ms."""
+    rows = []
+    for scope, b in [("all", summary)] + sorted(summary["per_lane"].items()):
+        rows.append({"label": label, "scope": scope, "completed": b["completed"],
+                     "output_tok_s": b["output_throughput"], "ttft_ms_median": b["ttft_ms"]["median"],
+                     "ttft_ms_p99": b["ttft_ms"]["p99"], "tpot_ms_median": b["tpot_ms"]["median"],
+                     "e2el_ms_median": b["e2el_ms"]["median"]})
+    return rows
+
+
+def save_result(label: str, summary: dict, out: Path) -> Path:
+    """Write the ``serving`` result of ``summary`` into ``out`` (:func:`benchmarks.results.write_result`)."""
+    from benchmarks.results import write_result
+
     meta = summary.get("meta", {})
-    return "\n".join([
-        f"<!-- bench_serve:{label}:start -->",
-        f"### Serving benchmark: {label}",
-        "",
-        f"`{meta.get('command', '?')}` on {meta.get('date', '?')}, {meta.get('cpus', '?')} CPUs, "
-        f"1-minute load average {meta.get('load_before', '?')} before the run (other jobs share the machine). "
-        f"Server: `{meta.get('server', 'persistent-serve')}`.",
-        "",
-        "```",
-        format_summary(summary),
-        "```",
-        f"<!-- bench_serve:{label}:end -->",
-        "",
-    ])
-
-
-def write_docs(label: str, summary: dict, path: Path = DOCS_PATH) -> None:
-    """Replace the ``bench_serve:label`` section of ``path`` (or append it)."""
-    start_mark, end_mark = f"<!-- bench_serve:{label}:start -->", f"<!-- bench_serve:{label}:end -->"
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    section = docs_section(label, summary)
-    start, end = text.find(start_mark), text.find(end_mark)
-    if start != -1 and end > start:
-        text = text[:start] + section.rstrip("\n") + text[end + len(end_mark):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text, encoding="utf-8")
+    notes = (f"Server: {meta.get('server', 'persistent-serve')}; {meta.get('cpus', '?')} CPUs, 1-minute load "
+             f"average {meta.get('load_before', '?')} before the run.")
+    return write_result("serving", summary_rows(label, summary), out, command=meta.get("command"), notes=notes,
+                        tag=label)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -289,12 +277,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the summary and per-request records here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of TTFT and E2EL per lane here")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--write-docs", metavar="LABEL", default=None,
-                   help="write the result into docs/benchmarks.md under this label")
+    p.add_argument("--results", type=Path, default=None,
+                   help="write the `serving` study result here (benchmarks/results keeps what the docs show)")
+    p.add_argument("--label", default="run", help="the scenario's label in the result (e.g. concurrency-4-auto)")
     p.add_argument("--from-json", type=Path, default=None,
-                   help="with --write-docs: render a saved --json result instead of running")
+                   help="with --results: write the result of a saved --json run instead of running")
     p.add_argument("--server", default="persistent-serve (embedded SmolLM2-135M, CPU)",
-                   help="how the server was started (for --write-docs)")
+                   help="how the server was started (recorded in the result's notes)")
     return p.parse_args(argv)
 
 
@@ -304,8 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.from_json:
         summary = json.loads(args.from_json.read_text())
         print(format_summary(summary))
-        if args.write_docs:
-            write_docs(args.write_docs, summary)
+        if args.results:
+            save_result(args.label, summary, args.results)
         return summary
     meta = {"command": "python -m benchmarks.serve " + shlex.join(sys.argv[1:] if argv is None else argv),
             "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "load_before": os.getloadavg()[0],
@@ -334,8 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
                                         indent=2))
     if args.plot:
         plot(records, args.plot)
-    if args.write_docs:
-        write_docs(args.write_docs, summary)
+    if args.results:
+        save_result(args.label, summary, args.results)
     return summary
 
 

@@ -17,12 +17,11 @@ chat-templated GSM8K prompts (the first ``c`` questions), greedy, with exactly
 
 It also reports how many requests produced the same greedy tokens on both
 sides (left padding can shift numerics slightly; a mismatch is reported, not
-an error). The table is printed last; ``--write-docs`` puts it, the command
-and the machine into ``docs/benchmarks.md`` (between markers, idempotently)
-and plots ``docs/bench_standard.png``.
+an error). The table is printed last; ``--results DIR`` writes the
+``cpu_standard_lane`` study's result file (:mod:`benchmarks.results`) and ``--plot FILE`` a PNG.
 
 Usage: ``python -m benchmarks.standard [--concurrency 1 8 32] [--max-tokens 64]
-[--num-prompts N] [--model smollm2-135m-instruct] [--threads T] [--write-docs]
+[--num-prompts N] [--model smollm2-135m-instruct] [--threads T] [--results DIR]
 [--json out.json]``
 """
 
@@ -43,12 +42,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 GSM8K_PATH = Path("/work/shared/data/gsm8k/test.jsonl")
-DOCS_PATH = REPO_ROOT / "docs" / "benchmarks.md"
-PLOT_PATH = REPO_ROOT / "docs" / "bench_standard.png"
-MARK_START = "<!-- bench_standard:start -->"
-MARK_END = "<!-- bench_standard:end -->"
 HF_TTFT_NOTE = (
     "HF TTFT = wall time of a separate generate(max_new_tokens=1) on the same "
     "left-padded batch (no streamer; one number per batch; it includes generate()'s per-call setup)."
@@ -449,47 +443,13 @@ def reading(rows: list[dict], load: tuple[float | None, float | None], threads: 
     return " ".join(parts)
 
 
-def docs_section(command: str, machine: dict, table: str, steps: str, text: str, plot_name: str | None,
-                 repeats: int = 1) -> str:
-    """The markdown section (markers included) that ``--write-docs`` puts into ``docs/benchmarks.md``."""
-    best = f" Each side keeps its fastest of {repeats} alternating runs per level." if repeats > 1 else ""
-    lines = [
-        MARK_START,
-        "## Standard lane vs transformers `generate` (CPU throughput and TTFT)",
-        "",
-        f"Command: `{command}`",
-        f"Machine: {describe_machine(machine)}.",
-        "",
-        "Same chat-templated GSM8K prompts on both sides (the first c questions), greedy, every request "
-        "generates exactly max-tokens tokens (ours: `ignore_eos`; transformers: `min_new_tokens`). Ours: "
-        "one `LLMEngine`, all c requests added at t0, TTFT = t0 to the request's first chunk. "
-        f"Transformers: one left-padded batch `generate`, fp32, SDPA. {HF_TTFT_NOTE}{best}",
-        "",
-        table,
-        "",
-        "Per level (HF decode step = (full generate - 1-token generate) / (max-tokens - 1); "
-        "CPU use = process CPU time / (wall time x torch threads)):",
-        "",
-        *(f"- {line}" for line in steps.splitlines()),
-        "",
-        text,
-    ]
-    if plot_name:
-        lines += ["", f"![output tokens/s vs concurrency]({plot_name})"]
-    lines.append(MARK_END)
-    return "\n".join(lines) + "\n"
-
-
-def write_docs(path: Path, section: str) -> None:
-    """Replace the text between the bench_standard markers in ``path``, or append the section."""
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    start, end = text.find(MARK_START), text.find(MARK_END)
-    if start != -1 and end > start:
-        rest = text[end + len(MARK_END):].lstrip("\n")
-        new = text[:start] + section + ("\n" + rest if rest else "")
-    else:
-        new = text.rstrip("\n") + ("\n\n" if text else "") + section
-    path.write_text(new, encoding="utf-8")
+def result_rows(model: str, rows: list[dict]) -> list[dict]:
+    """The ``cpu_standard_lane`` study's rows (:mod:`benchmarks.studies`), one per concurrency level."""
+    return [{"shape": model, "concurrency": r["concurrency"], "ours_tok_s": r["ours"]["tok_s"],
+             "transformers_tok_s": r["hf"]["tok_s"], "ttft_ms": r["ours_ttft_median_ms"],
+             "transformers_ttft_ms": r["hf_ttft_ms"], "decode_step_ms": r["ours_decode_step_ms"],
+             "max_tokens": r["max_tokens"], "identical": r["match"]["identical"], "total": r["match"]["total"]}
+            for r in rows]
 
 
 def write_plot(rows: list[dict], path: Path) -> None:
@@ -529,7 +489,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per level and side, alternating; each side keeps its fastest (default 1)")
     p.add_argument("--data", type=Path, default=GSM8K_PATH)
-    p.add_argument("--write-docs", action="store_true", help=f"update {DOCS_PATH.name} and write {PLOT_PATH.name}")
+    p.add_argument("--results", type=Path, default=None,
+                   help="write the cpu_standard_lane study result here (benchmarks/results keeps what the docs show)")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG of output tokens/s vs concurrency here")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     args = p.parse_args(argv)
@@ -548,7 +510,7 @@ def main(argv: list[str] | None = None) -> dict:
     Returns:
         ``command``, ``machine`` (:func:`machine_info`), ``rows`` (one per
         concurrency, see :func:`run_level`), ``table`` (markdown), ``hf_ttft_note``,
-        ``reading`` (the text ``--write-docs`` puts under the table).
+        ``reading`` (a short reading of the numbers, also in the result's notes).
     """
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
@@ -577,11 +539,14 @@ def main(argv: list[str] | None = None) -> dict:
               "hf_ttft_note": HF_TTFT_NOTE, "reading": text}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    if args.write_docs:
-        write_plot(rows, PLOT_PATH)
-        write_docs(DOCS_PATH, docs_section(command, machine, table, steps, text, PLOT_PATH.name,
-                                             args.repeats))
-        print(f"wrote {DOCS_PATH.relative_to(REPO_ROOT)} and {PLOT_PATH.relative_to(REPO_ROOT)}")
+    if args.plot:
+        write_plot(rows, args.plot)
+    if args.results:
+        from benchmarks.results import write_result
+
+        notes = (f"{describe_machine(machine)}. Same chat-templated GSM8K prompts on both sides, greedy, "
+                 f"{args.max_tokens} tokens per request. {HF_TTFT_NOTE} {text}")
+        print(f"wrote {write_result('cpu_standard_lane', result_rows(args.model, rows), args.results, command=command, notes=notes)}")
 
     print(f"\nMachine: {describe_machine(machine)}")
     print(f"Prompts: first {max(args.concurrency)} of {args.num_prompts} GSM8K questions, chat-templated; "

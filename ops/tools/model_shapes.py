@@ -29,7 +29,9 @@ SHAPES = ("smollm2-135m", "gpt-oss-20b", "gpt-oss-120b")
 
 
 def shape_config(shape: str) -> dict:
-    """The ``config.json`` dict of ``shape``.
+    """The ``config.json`` dict of ``shape``: a name of :data:`SHAPES`, the CPU smoke shapes ``tiny`` and
+    ``tiny-gpt-oss``, or the GPU test shapes ``small-gpt-oss`` (:data:`ops.tools.fixtures.SMALL_GPT_OSS`) and
+    ``gpt-oss-20b-4-layers``.
 
     Raises:
         ValueError: an unknown shape name.
@@ -45,7 +47,14 @@ def shape_config(shape: str) -> dict:
                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8,
                 "vocab_size": 512, "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0,
                 "eos_token_id": 1}
-    raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}, tiny, tiny-gpt-oss")
+    if shape == "small-gpt-oss":
+        from ops.tools.fixtures import SMALL_GPT_OSS
+
+        return {**real_config("20b"), **SMALL_GPT_OSS}
+    if shape == "gpt-oss-20b-4-layers":
+        return {**real_config("20b"), "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}, tiny, tiny-gpt-oss, small-gpt-oss, "
+                     "gpt-oss-20b-4-layers")
 
 
 def write_config_dir(config: str | dict, directory: str | Path, tokenizer: bool = False) -> Path:

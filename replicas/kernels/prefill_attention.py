@@ -54,17 +54,13 @@ BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
 
-CONFIG_OVERRIDES: dict[str, int] = {}
-"""Benchmark-only overrides of ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` (``benchmarks/prefill.py``
-sweeps a few); empty in serving."""
-
 LOG2E = 1.4426950408889634
 
 
 def tokens_per_tile(num_heads: int, num_kv_heads: int, block_m: int | None = None) -> int:
     """New tokens per program: ``BLOCK_M // GP`` (at least 1), ``GP`` = the GQA group rounded up to a power of 2."""
     gp = triton.next_power_of_2(num_heads // num_kv_heads)
-    return max(1, (block_m or CONFIG_OVERRIDES.get("BLOCK_M", BLOCK_M)) // gp)
+    return max(1, (block_m or BLOCK_M) // gp)
 
 
 def tile_map(query_start: torch.Tensor, block_t: int, num_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +205,7 @@ def triton_prefill_attention(
     context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, num_tiles: int, *,
     sinks: torch.Tensor | None = None, sliding_window: int | None = None,
     tiles: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged context, in one launch.
 
@@ -225,6 +222,9 @@ def triton_prefill_attention(
         sliding_window: optional window ``W`` in tokens (keys at ``(p - W, p]``).
         tiles: :func:`tile_map`'s result when the caller shares it across layers (else built here).
         out: optional ``[T, H, D]`` output buffer.
+        config: tile settings other than the defaults (keys ``BLOCK_M``, ``BLOCK_N``, ``num_warps``,
+            ``num_stages``; a benchmark's sweep passes them, serving never does); ``tiles`` and ``num_tiles``
+            must then come from :func:`tokens_per_tile` with that ``BLOCK_M``.
 
     Returns:
         ``[T, H, D]`` in ``query.dtype``; fp32 softmax statistics. fp32 inputs take IEEE-exact fp32 dot products.
@@ -239,8 +239,9 @@ def triton_prefill_attention(
                          f"H={num_heads}, KVH={kvh}")
     group = num_heads // kvh
     gp = triton.next_power_of_2(group)
-    block_m = CONFIG_OVERRIDES.get("BLOCK_M", BLOCK_M)
-    block_t = tokens_per_tile(num_heads, kvh, block_m)
+    config = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES,
+              **(config or {})}
+    block_t = tokens_per_tile(num_heads, kvh, config["BLOCK_M"])
     if tiles is None:
         tiles = tile_map(query_start, block_t, num_tiles)
     out = torch.empty_like(query) if out is None else out
@@ -253,11 +254,11 @@ def triton_prefill_attention(
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_plane.stride(0), key_plane.stride(1), key_plane.stride(2),
             value_plane.stride(0), value_plane.stride(1), value_plane.stride(2), block_tables.stride(0))
-    meta = dict(G=group, GP=gp, BLOCK_T=block_t, BLOCK_N=CONFIG_OVERRIDES.get("BLOCK_N", BLOCK_N), D=head_dim,
+    meta = dict(G=group, GP=gp, BLOCK_T=block_t, BLOCK_N=config["BLOCK_N"], D=head_dim,
                 PAGE=PAGE, HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
                 PRECISION="ieee" if query.dtype == torch.float32 else None,
-                num_warps=CONFIG_OVERRIDES.get("num_warps", NUM_WARPS))
-    stages = 1 if _ONE_STAGE else CONFIG_OVERRIDES.get("num_stages", NUM_STAGES)
+                num_warps=config["num_warps"])
+    stages = 1 if _ONE_STAGE else config["num_stages"]
     try:
         _prefill_attention_kernel[(num_tiles, kvh)](*args, **meta, num_stages=stages)
     except OutOfResources:  # the tile does not fit the GPU's shared memory pipelined: run it in one stage

@@ -12,7 +12,8 @@ from ops.tools.model_shapes import shape_config
 def test_cpu_mode_runs_all_lanes_on_both_model_families(capsys, tmp_path):
     torch.set_num_threads(1)
     rows = main(["--device", "cpu", "--tiny", "--dtype", "float32", "--prompt-len", "40", "--new-tokens", "10",
-                 "--reps", "1", "--json", str(tmp_path / "rows.json"), "--plot", str(tmp_path / "tpot.png")])
+                 "--reps", "1", "--json", str(tmp_path / "rows.json"), "--plot", str(tmp_path / "tpot.png"),
+                 "--results", str(tmp_path / "results")])
     lanes = ["persistent/eager", "standard", "hf/eager"]
     assert [(r.shape, r.lane) for r in rows] == [
         ("tiny", "persistent/cuda_graph"), *[("tiny", lane) for lane in lanes],
@@ -24,6 +25,12 @@ def test_cpu_mode_runs_all_lanes_on_both_model_families(capsys, tmp_path):
     assert "| tiny-gpt-oss | persistent/cuda_graph | 10 |" in out
     assert (tmp_path / "rows.json").stat().st_size > 0
     assert (tmp_path / "tpot.png").read_bytes()[:4] == b"\x89PNG"
+    from benchmarks.results import load
+
+    (result,) = load(tmp_path / "results")  # one file per run, rewritten after every shape
+    assert result["study"] == "batch_one" and len(result["rows"]) == len(rows)
+    assert {r["lane"] for r in result["rows"]} == {"persistent/cuda_graph", *lanes}
+    assert all(r["tpot_ms"] > 0 and r["prompt_tokens"] == 40 for r in result["rows"])
 
 
 @pytest.mark.parametrize("shape,gigabytes", [("gpt-oss-120b", 5.05), ("gpt-oss-20b", 3.74)])

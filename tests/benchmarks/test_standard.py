@@ -55,33 +55,11 @@ def test_tiny_run_prints_table_last(tiny_run):
     assert "generate(max_new_tokens=1)" in stdout  # how HF TTFT is measured is stated
 
 
-def test_write_docs_is_idempotent(tmp_path, tiny_run):
+def test_result_rows_carry_the_study_fields(tiny_run):
+    from benchmarks.studies import STUDIES
+
     result, _ = tiny_run
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text("# Benchmarks\n\n## Existing section\n\nkeep me\n")
-    section = bs.docs_section(result["command"], result["machine"], result["table"],
-                              bs.format_steps(result["rows"]), result["reading"], "bench_standard.png")
-    bs.write_docs(doc, section)
-    once = doc.read_text()
-    bs.write_docs(doc, section)
-    assert doc.read_text() == once
-    assert once.count(bs.MARK_START) == 1 and once.count(bs.MARK_END) == 1
-    assert "keep me" in once and result["table"] in once and "Command: `python -m benchmarks.standard" in once
-    doc.write_text(once + "\nA note after the section.\n")
-    bs.write_docs(doc, section.replace("Command:", "Command (rerun):"))
-    again = doc.read_text()
-    assert again.count(bs.MARK_START) == 1 and "Command (rerun):" in again and "Command: `" not in again
-    assert again.endswith(bs.MARK_END + "\n\nA note after the section.\n") and "keep me" in again
-
-
-def test_percentile_and_compare_tokens():
-    assert bs.percentile([3.0], 0.9) == 3.0
-    assert bs.percentile([float(i) for i in range(11)], 0.9) == 9.0
-    m = bs.compare_tokens([[1, 2, 3], [1, 7, 3], [5, 2]], [[1, 2, 3], [1, 8, 3], [6, 2]], eos_id=7)
-    assert m["identical"] == 1 and m["total"] == 3
-    assert m["first_divergence"] == [None, 1, 0] and m["eos_divergences"] == 1
-
-
-def test_rejects_concurrency_above_num_prompts():
-    with pytest.raises(SystemExit):
-        bs.parse_args(["--concurrency", "4", "--num-prompts", "2"])
+    rows = bs.result_rows("smollm2-135m-instruct", result["rows"])
+    assert [r["concurrency"] for r in rows] == [r["concurrency"] for r in result["rows"]]
+    assert set(STUDIES["cpu_standard_lane"].fields) <= set(rows[0])
+    assert rows[0]["ours_tok_s"] == result["rows"][0]["ours"]["tok_s"]

@@ -29,12 +29,9 @@ def test_bench_serve_random_prompts_with_lane_breakdown(server, tmp_path):
     saved = json.loads(out.read_text())
     assert len(saved["requests"]) == 4 and all(r["lane"] for r in saved["requests"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    docs = tmp_path / "benchmarks.md"
-    docs.write_text("# Benchmarks\n")
-    for _ in range(2):  # idempotent: the section is replaced, not duplicated
-        bench_serve.write_docs("ci", saved, docs)
-    text = docs.read_text()
-    assert text.count("<!-- bench_serve:ci:start -->") == 1 and "Successful requests:          4" in text
+    result = json.loads(bench_serve.save_result("ci", saved, tmp_path / "results").read_text())
+    assert result["study"] == "serving" and result["rows"][0]["scope"] == "all"
+    assert result["rows"][0]["completed"] == 4 and {"label", "ttft_ms_median", "output_tok_s"} <= set(result["rows"][0])
 
 
 def test_bench_serve_gsm8k_prompts_at_a_request_rate_forced_standard(server):

@@ -15,27 +15,14 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from tests.gpu.conftest import dummy_core  # noqa: E402
+from tests.gpu.conftest import dummy_core, persistent_tokens, prompts_for, standard_tokens  # noqa: E402
 
-SMALL_GPT_OSS = {
-    "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "head_dim": 64, "num_local_experts": 16, "vocab_size": 4096,
-    "layer_types": ["sliding_attention", "full_attention"] * 2, "pad_token_id": 0, "eos_token_id": 1,
-}
 ROWS = (1, 2, 3, 7, 16, 17, 64, 100, 256)
 
 
-def _shape(name: str) -> dict:
-    from ops.tools.make_tiny_gpt_oss import real_config
-
-    if name == "small":
-        return {**real_config("20b"), **SMALL_GPT_OSS}
-    return {**real_config("20b"), "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2}
-
-
-@pytest.fixture(scope="module", params=["small", "20b-4-layers"])
+@pytest.fixture(scope="module", params=["small-gpt-oss", "gpt-oss-20b-4-layers"])
 def core(request):
-    c = dummy_core(_shape(request.param), torch.bfloat16, 512, batch_invariant=True, max_num_seqs=256,
+    c = dummy_core(request.param, torch.bfloat16, 512, batch_invariant=True, max_num_seqs=256,
                    num_kv_blocks=64 * 32 + 64, enable_prefix_caching=True)
     c.model.lm_head.weight.data.mul_(20)  # random logits spread out: ties would hide nothing, but be rare
     assert c.model.ops.batch_invariant
@@ -44,53 +31,22 @@ def core(request):
     torch.cuda.empty_cache()
 
 
-def _prompts(core, n: int, seed: int = 7) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    vocab = core.model.config.vocab_size
-    return [torch.randint(3, vocab, (int(k),), generator=g).tolist() for k in torch.randint(20, 300, (n,), generator=g)]
-
-
-def _standard(core, prompts, tokens: int = 128, budget: int = 4096) -> list[list[int]]:
-    from replicas.engine import LLMEngine
-    from replicas.request import SamplingParams
-    from replicas.scheduler import SchedulerConfig
-
-    engine = LLMEngine(core, SchedulerConfig(256, budget, True))
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"s{i}", p, params)
-    out: dict[str, list[int]] = {f"s{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for ch in engine.step():
-            out[ch.request_id] += ch.token_ids
-    assert core.allocator.num_used == 0
-    return [out[f"s{i}"] for i in range(len(prompts))]
-
-
 def test_persistent_lane_equals_standard_lane(core):
     """20 prompts x 128 tokens: the standard lane (all at once: batched prefill, mixed steps, decode graphs of
     20) against the persistent lane's ``cuda_graph`` quanta, one request at a time. Prefix caching is on, so
     the persistent requests also reuse the standard lane's cached prompt pages: a prefix-cache hit == cold."""
-    from replicas.messages import GenerateRequest
-    from replicas.persistent.cuda_graph import CudaGraphBackend
-    from replicas.persistent.lane import PersistentLane
-    from replicas.request import SamplingParams
-
-    prompts = _prompts(core, 20)
-    together = _standard(core, prompts)
-    lane = PersistentLane(core, CudaGraphBackend(core.model, torch.device("cuda"), core.config.max_model_len))
-    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
-    persistent = [[t for ch in lane.generate(GenerateRequest(f"p{i}", p, params)) for t in ch.token_ids]
-                  for i, p in enumerate(prompts)]
+    prompts = prompts_for(core, 20)
+    together = standard_tokens(core, prompts)
+    persistent = persistent_tokens(core, prompts)
     same = sum(a == b for a, b in zip(persistent, together, strict=True))
     assert same == len(prompts), f"persistent == standard for {same}/{len(prompts)}"
 
 
 def test_concurrent_standard_requests_equal_each_alone(core):
     """64 requests at once (prefill chunks beside decodes, decode graphs up to 64) against each alone."""
-    prompts = _prompts(core, 64, seed=11)
-    many = _standard(core, prompts, tokens=64, budget=2048)
-    alone = [_standard(core, [p], tokens=64)[0] for p in prompts]
+    prompts = prompts_for(core, 64, seed=11)
+    many = standard_tokens(core, prompts, tokens=64, budget=2048)
+    alone = [standard_tokens(core, [p], tokens=64)[0] for p in prompts]
     same = sum(a == b for a, b in zip(many, alone, strict=True))
     assert same == len(prompts), f"c=64 == alone for {same}/{len(prompts)}"
 
@@ -117,7 +73,7 @@ def _prefill_logits(core, prompt: list[int], chunk: int | None) -> tuple[torch.T
 
 
 def test_chunked_prefill_equals_whole(core):
-    prompt = _prompts(core, 1, seed=3)[0] + _prompts(core, 1, seed=4)[0]
+    prompt = prompts_for(core, 1, seed=3)[0] + prompts_for(core, 1, seed=4)[0]
     whole_logits, whole_keys = _prefill_logits(core, prompt, None)
     for chunk in (16, 100, 257):
         logits, keys = _prefill_logits(core, prompt, chunk)

@@ -107,8 +107,6 @@ two, at least 32: one scale group), four pipeline stages. One shape for every he
 H200 sweep (``docs/benchmarks.md``, "Grouped GEMM: one dot per K step") it was within 5% of the best tile of
 each kernel at 64 to 8,192 tokens, and wider K steps spill registers at ``BLOCK_M`` 64 and 128."""
 
-TILE_OVERRIDES: dict[int, TileConfig] = {}
-"""Benchmark-only replacements of :data:`TILES` entries (``benchmarks/prefill.py`` sweeps a few)."""
 
 
 def pick_block_m(num_pairs: int, num_experts: int) -> int:
@@ -133,7 +131,8 @@ def token_counts_per_block_m(num_experts: int, top_k: int, min_tokens: int, max_
 
 
 def tile_config(block_m: int) -> TileConfig:
-    return TILE_OVERRIDES.get(block_m, TILES[block_m])
+    """The tile of :data:`TILES` for an M-block height."""
+    return TILES[block_m]
 
 
 @dataclass
@@ -492,7 +491,7 @@ def grouped_moe_partials(
     gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, *, repacked: bool = False, grouping: ExpertGrouping | None = None,
-    block_m: int | None = None,
+    block_m: int | None = None, tile: TileConfig | None = None,
 ) -> torch.Tensor:
     """Every pair's weighted expert output: ``[T, K, hidden]`` fp32, ``sum(1)`` of which is the MoE layer.
 
@@ -509,6 +508,8 @@ def grouped_moe_partials(
         block_m: the M-block height (a key of :data:`TILES`); None: :func:`pick_block_m` from the pair count.
             A fixed height makes every pair's row bitwise independent of the other pairs (one tile shape and
             instruction whatever the token count: ``docs/exactness.md``).
+        tile: a tile other than :data:`TILES`' (a benchmark's sweep passes one; serving never does); its
+            ``block_m`` is the M-block height.
 
     Returns:
         ``[T, K, hidden]`` fp32 partials (pair ``(t, k)``: ``weights[t, k] * expert_{ids[t, k]}(x[t])``).
@@ -528,13 +529,15 @@ def grouped_moe_partials(
     y = torch.empty(t, top_k, hidden, dtype=torch.float32, device=x.device)
     if p == 0:
         return y
+    if tile is not None:
+        block_m = tile.block_m
     if grouping is not None:
         block_m = grouping.block_m
     elif block_m is None:
         block_m = pick_block_m(p, num_experts)
     g = grouping or triton_group_by_expert(ids, num_experts, block_m)
     precision = "ieee" if x.dtype == torch.float32 else None
-    cfg = tile_config(block_m)
+    cfg = tile if tile is not None else tile_config(block_m)
     bk = cfg.block_k
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     bf16x2 = bool(repacked and x.is_cuda and x.dtype == torch.bfloat16)
@@ -552,10 +555,11 @@ def grouped_moe_partials(
 
 
 def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *packed, repacked: bool = False,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, tile: TileConfig | None = None) -> torch.Tensor:
     """The MoE layer ``[T, hidden]`` in ``x.dtype``: :func:`grouped_moe_partials` summed over the ``K`` experts
-    in slot order (fp32), plus ``residual`` when given. ``packed``: the six packed tensors, alpha, limit."""
-    out = grouped_moe_partials(x, weights, ids, *packed, repacked=repacked).sum(1)
+    in slot order (fp32), plus ``residual`` when given. ``packed``: the six packed tensors, alpha, limit;
+    ``tile``: as :func:`grouped_moe_partials`."""
+    out = grouped_moe_partials(x, weights, ids, *packed, repacked=repacked, tile=tile).sum(1)
     if residual is not None:
         out = out + residual.float()
     return out.to(x.dtype)
@@ -580,6 +584,8 @@ def experts_partials(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
                                 block_m=block_m)
 
 
-def experts_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts) -> torch.Tensor:
+def experts_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
+                tile: TileConfig | None = None) -> torch.Tensor:
     """:func:`grouped_moe` for an experts module (see :func:`experts_partials`): ``[T, hidden]`` in ``x.dtype``."""
-    return grouped_moe(x, weights, ids, *_packed_of(experts), repacked=getattr(experts, "decode_layout", False))
+    return grouped_moe(x, weights, ids, *_packed_of(experts), repacked=getattr(experts, "decode_layout", False),
+                       tile=tile)

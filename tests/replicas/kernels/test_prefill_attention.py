@@ -48,20 +48,18 @@ def make_batch(q_lens, ctx_lens, heads, kv_heads, head_dim=16, blocks=40, dtype=
     return q, kp, vp, meta
 
 
-def run_kernel(q, kp, vp, meta, scale, **kw):
+def run_kernel(q, kp, vp, meta, scale, config=None, **kw):
     dev = meta.device_view(q.device)
-    block_t = pa.tokens_per_tile(q.shape[1], kp.shape[2])
+    block_t = pa.tokens_per_tile(q.shape[1], kp.shape[2], (config or {}).get("BLOCK_M"))
     n = pa.num_tiles_for(meta.query_lens, block_t)
     return pa.triton_prefill_attention(q, kp, vp, dev.query_start, dev.context_lens, dev.block_table, scale, n,
-                                       **kw)
+                                       config=config, **kw)
 
 
 @pytest.fixture
 def small_tiles():
     """Tiles of 32 rows x 16 keys: several programs per chunk and unmasked key tiles even on tiny inputs."""
-    pa.CONFIG_OVERRIDES.update(BLOCK_M=32, BLOCK_N=16)
-    yield
-    pa.CONFIG_OVERRIDES.clear()
+    return {"BLOCK_M": 32, "BLOCK_N": 16}
 
 
 RAGGED = ([7, 1, 20, 1], [7, 40, 33, 5])
@@ -72,7 +70,7 @@ RAGGED = ([7, 1, 20, 1], [7, 40, 33, 5])
 def test_ragged_causal_matches_reference(heads, kv_heads, small_tiles):
     q, kp, vp, meta = make_batch(*RAGGED, heads, kv_heads, seed=heads)
     want = paged_attention_reference(q, kp, vp, meta, 0.25)
-    got = run_kernel(q, kp, vp, meta, 0.25)
+    got = run_kernel(q, kp, vp, meta, 0.25, small_tiles)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -82,7 +80,7 @@ def test_sinks_and_window_match_reference(window, small_tiles):
     q, kp, vp, meta = make_batch([9, 1, 30], [9, 50, 47], 8, 2, seed=window)
     sinks = torch.randn(8, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     want = paged_attention_reference(q, kp, vp, meta, 0.25, sinks=sinks, sliding_window=window)
-    got = run_kernel(q, kp, vp, meta, 0.25, sinks=sinks, sliding_window=window)
+    got = run_kernel(q, kp, vp, meta, 0.25, small_tiles, sinks=sinks, sliding_window=window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if window < 40:  # the window matters on these inputs
         full = paged_attention_reference(q, kp, vp, meta, 0.25, sinks=sinks)

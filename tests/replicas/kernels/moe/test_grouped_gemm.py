@@ -58,9 +58,7 @@ def close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-5) -> None:
 def small_tiles():
     """32 weight rows per program with 128-wide K steps: several N tiles on tiny shapes, and widths 96 and 64
     end inside a K step (the masked tail of the words, scales and activations)."""
-    mg.TILE_OVERRIDES.update({m: mg.TileConfig(m, 32, 128, 4, 1) for m in mg.TILES})
-    yield
-    mg.TILE_OVERRIDES.clear()
+    return lambda pairs, experts: mg.TileConfig(mg.pick_block_m(pairs, experts), 32, 128, 4, 1)
 
 
 def routing(tokens: int, k: int, e: int, seed: int, skew: bool = False):
@@ -89,7 +87,7 @@ def test_grouped_moe_matches_reference(tokens, k, skew, repacked, small_tiles):
         repack_(experts.down_proj_blocks)
         experts.decode_layout = True
         torch.testing.assert_close(moe_reference(x, weights, ids, experts), want)  # the reference reads it too
-    got = mg.grouped_moe(x, weights, ids, *experts.packed(), repacked=repacked)
+    got = mg.grouped_moe(x, weights, ids, *experts.packed(), repacked=repacked, tile=small_tiles(tokens * k, e))
     assert want.abs().max() > 1.0  # a real signal
     close(got, want)
 
@@ -99,13 +97,14 @@ def test_partials_are_per_pair_and_residual_adds(small_tiles):
     experts = RandomExperts(e, hidden, inter, seed=11)
     weights, ids = routing(6, 2, e, seed=5)
     x = torch.randn(6, hidden, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    parts = mg.grouped_moe_partials(x, weights, ids, *experts.packed())
+    tile = small_tiles(12, e)
+    parts = mg.grouped_moe_partials(x, weights, ids, *experts.packed(), tile=tile)
     assert parts.shape == (6, 2, hidden) and parts.dtype == torch.float32
     for slot in range(2):  # each slot alone is the reference with that slot's routing only
         one = moe_reference(x, weights[:, slot:slot + 1], ids[:, slot:slot + 1], experts)
         close(parts[:, slot], one)
     residual = torch.randn(6, hidden).to(DEVICE)
-    torch.testing.assert_close(mg.grouped_moe(x, weights, ids, *experts.packed(), residual=residual),
+    torch.testing.assert_close(mg.grouped_moe(x, weights, ids, *experts.packed(), residual=residual, tile=tile),
                                parts.sum(1) + residual, rtol=1e-6, atol=1e-5)
 
 
