@@ -90,6 +90,13 @@ class Recipe:
     def save(self) -> None:
         (self.out / "summary.json").write_text(json.dumps(self.results, indent=2, default=str))
         (self.out / "report.md").write_text(self.render(self.results))
+        rows = served_rows(self.results)
+        if rows:
+            from benchmarks.results import write_result
+
+            write_result("served_product", rows, self.out, notes=(
+                "Through Serve (the app over HTTP) and the engine alone in the same call, medians in ms; random "
+                "token-id prompts, greedy; GPT-OSS shapes with random weights, SmolLM2 with its real weights."))
 
     def render(self, results: dict) -> str:
         """``report.md`` of ``results``."""
@@ -593,6 +600,25 @@ def fault(recipe: Recipe, args: dict) -> dict:
     log(f"  fault: {out}")
     recipe.undeploy(name)
     return out
+
+
+def served_rows(results: dict) -> list[dict]:
+    """The ``served_product`` study's rows (:mod:`benchmarks.studies`): per model and run, Serve against the
+    engine alone, medians."""
+    rows = []
+    for model, res in results.get("models", {}).items():
+        serve, engine = res.get("serve") or {}, res.get("engine") or {}
+        for label, got in serve.items():
+            lane, _, conc = label.partition(" c=")
+            s, e = got["summary"], (engine.get(label) or {}).get("summary") or {}
+            row = {"shape": model, "lane": lane, "concurrency": int(conc) if conc.isdigit() else conc}
+            for metric in ("ttft", "tpot", "e2el"):
+                row[f"{metric}_ms_serve"] = s[f"{metric}_ms"]["median"]
+                row[f"{metric}_ms_engine"] = (e.get(f"{metric}_ms") or {}).get("median")
+            row["output_tok_s_serve"] = s.get("output_throughput")
+            row["output_tok_s_engine"] = e.get("output_throughput")
+            rows.append(row)
+    return rows
 
 
 def overhead_rows(res: dict) -> list[dict]:
