@@ -369,3 +369,30 @@ def test_tokenize_takes_the_chat_fields(harmony, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     r = httpx.post(f"{server}/tokenize", json={"messages": EX["capital"].messages, "tools": EX["weather_call"].tools})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"  # SmolLM2: no tool format, as chat
+
+
+def test_readme_example_runs_as_printed(server, capsys):
+    """The README's GPT-OSS example, exactly as printed but for the address and the served name, against the tiny
+    harmony model: every request is one it was trained on, so the printed answers are the trained ones."""
+    import contextlib
+    import io
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## GPT-OSS: reasoning, tools, structured outputs, Responses", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'base_url="http://127.0.0.1:8000/v1"' in code and code.count('model="gpt-oss"') == 5
+    code = code.replace("http://127.0.0.1:8000/v1", f"{server}/harmony/v1").replace(
+        'model="gpt-oss"', f'model="{HARMONY_MODEL}"')
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md (GPT-OSS example)", "exec"), {})
+    lines = out.getvalue().splitlines()
+    assert lines[:4] == [
+        f"{_reasoning(EX['capital_low'])} {_answer(EX['capital_low'])}",
+        f"tool_calls get_weather {CALL_ARGUMENTS}",
+        _answer(EX["weather_answer"]),
+        str(json.loads(_answer(EX["capital_json"]))),
+    ], lines
+    answer, reasoning_tokens = lines[4].rsplit(" ", 1)
+    assert len(lines) == 5 and answer == _answer(EX["capital_high"]) and int(reasoning_tokens) > 0, lines
