@@ -139,11 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"persistent-serve: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
+    from deployments.driver import keep_span_lines_whole, port_problem
+
+    problem = port_problem(host, port, "choose another port with --port (e.g. --port 8001)")
+    if problem:
+        print(f"persistent-serve: {problem}", file=sys.stderr)
+        return 1
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import build_app, console_tracing
 
+    if console_tracing(config):
+        keep_span_lines_whole()  # Ray's log deduplication would cut the printed spans
     if metrics_port is not None:
         ray.init(_metrics_export_port=metrics_port)
 
