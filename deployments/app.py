@@ -11,6 +11,7 @@ from __future__ import annotations
 from ray.serve import Application
 
 from deployments.config import AppConfig
+from deployments.driver import prepare_serve_run_driver
 from deployments.ingress import OpenAIIngress
 from deployments.pools import PoolConfig
 from deployments.replicas import ColocatedReplica, PersistentReplica, StandardReplica
@@ -39,13 +40,27 @@ def _pool(deployment, config: AppConfig, pool: PoolConfig, extra_ongoing: int = 
     ).bind(config, config.engine_num_cpus, gpus)
 
 
+def console_tracing(config: AppConfig) -> bool:
+    """Whether the app's spans go to the console exporter (``OTEL_TRACES_EXPORTER`` counted)."""
+    try:
+        return config.tracing.resolved().exporter == "console"
+    except ValueError:  # an unsupported OTEL_* value: the replicas' setup_tracing reports it
+        return False
+
+
 def build_app(args: dict | AppConfig | None = None) -> Application:
     """The Serve application for ``args`` (a dict of CLI-style keys, or an :class:`AppConfig`).
 
+    In ``serve run``'s own process (before it starts Ray) it first checks that Serve's HTTP port is free and
+    exits with one line saying how to change it if not, and with the ``console`` trace exporter turns off
+    Ray's log deduplication there so spans print whole (:mod:`deployments.driver`).
+
     Raises:
         pydantic.ValidationError: bad arguments (e.g. ``required`` with a missing checkpoint).
+        SystemExit: in ``serve run``'s process, the HTTP port is taken.
     """
     config = args if isinstance(args, AppConfig) else AppConfig.from_args(args)
+    prepare_serve_run_driver(console_tracing(config))  # serve run's own process: port check, whole spans
     if config.colocated_enabled:  # one deployment, both lanes: the router calls its two entries
         both = _pool(ColocatedReplica, config, config.standard_pool, extra_ongoing=1)
         return OpenAIIngress.options(ray_actor_options={"num_cpus": REPLICA_CPUS}, num_replicas=config.ingress_replicas,

@@ -12,8 +12,10 @@ the checkpoint's chat template. ``/debug/stats`` shows it (``chat_format``).
 
 ``response_format`` (``json_object`` / ``json_schema``) becomes a
 :class:`~replicas.structured_output.StructuredOutput` for the standard lane's sampler on
-either format; for harmony it starts after ``<|channel|>final<|message|>`` (the reasoning
-stays free) and a ``json_schema`` is also named in the developer message.
+either format; for harmony it is a grammar over the whole reply (optional reasoning, then a
+``final`` message whose text matches the schema, then ``<|return|>``:
+:func:`~deployments.harmony.render.final_answer_grammar`), so the reply cannot end inside
+its reasoning, and a ``json_schema`` is also named in the developer message.
 ``tool_choice``: ``none`` declares no tools; ``auto`` declares them all and the model decides;
 ``required`` (all declared) and a named function (only it declared) are enforced by a grammar
 over the whole reply (optional reasoning, then a call whose arguments match the function's
@@ -102,7 +104,6 @@ class ChatPlanner:
 
             tj = Path(model_dir) / "tokenizer.json" if model_dir else None
             self.encoding = harmony_encoding(str(tj) if tj and tj.is_file() else None)
-            self.final_opening = tuple(self.encoding.encode("<|channel|>final<|message|>", allowed_special="all"))
         self.template_check = self.check_checkpoint_template() if self.harmony else None
 
     def describe(self) -> dict:
@@ -148,9 +149,14 @@ class ChatPlanner:
         if fmt is None or fmt.type == "text":
             return None
         try:
-            return structured_output(fmt.schema_or_none(), self.final_opening if self.harmony else ())
+            spec = structured_output(fmt.schema_or_none())
         except GrammarError as exc:
             raise OpenAIError(str(exc), param="response_format") from exc
+        if self.harmony:  # the whole reply: optional reasoning, then a final message that is the answer
+            from deployments.harmony.render import final_answer_grammar
+
+            return StructuredOutput(lark=final_answer_grammar(spec.schema))
+        return spec
 
     def plan(self, body) -> ChatPlan:
         """The plan of a :class:`~deployments.protocol.ChatCompletionRequest`.

@@ -44,6 +44,36 @@ def _unwrap(annotation):
     return annotation
 
 
+def _default_text(field) -> str | None:
+    """How ``--help`` shows a field's default: JSON for dicts, lists and nested settings, the value
+    itself otherwise, ``unset`` for None, a SecretStr list as ``none``; None when the field is required."""
+    if field.is_required():
+        return None
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json")
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict | list | tuple):
+        if value and isinstance(next(iter(value)), SecretStr):
+            return "none"
+        return json.dumps(value, default=str) if value else ("{}" if isinstance(value, dict) else "none")
+    return str(value)
+
+
+def _help(field) -> str:
+    """The field's description and its default (argparse's ``%`` formatting escaped)."""
+    text = (field.description or "").replace("%", "%%")
+    default = _default_text(field)
+    if default is not None:
+        text = f"{text} (default: {default.replace('%', '%%')})".strip()
+    return text
+
+
 def _add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], prefix: str = "",
                 skip: tuple[str, ...] = ()) -> None:
     """One flag per field of ``model`` (``--{prefix}{name}`` in kebab case, ``dest`` ``{prefix}{name}``)."""
@@ -51,7 +81,7 @@ def _add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], prefix:
         if name in skip:
             continue
         dest = prefix + name
-        kwargs: dict = {"dest": dest, "help": field.description, "default": None}
+        kwargs: dict = {"dest": dest, "help": _help(field), "default": None}
         ann = _unwrap(field.annotation)
         if typing.get_args(ann)[:1] == (SecretStr,):  # API keys: --api-key K1 K2 (repeatable)
             kwargs.update(nargs="+", action="extend", metavar="KEY", type=str)
@@ -85,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close idle keep-alive HTTP connections after this many seconds (Serve's "
                         "http_options.keep_alive_timeout_s; default 90)")
     p.add_argument("--metrics-export-port", type=int,
-                   help="start Ray with its Prometheus endpoint on this port (http://HOST:PORT/metrics)")
+                   help="start Ray with its Prometheus endpoint on this port (http://HOST:PORT/metrics; default: Ray's own, none fixed)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     return p
@@ -109,11 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"persistent-serve: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
+    from deployments.driver import keep_span_lines_whole, port_problem
+
+    problem = port_problem(host, port, "choose another port with --port (e.g. --port 8001)")
+    if problem:
+        print(f"persistent-serve: {problem}", file=sys.stderr)
+        return 1
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import build_app, console_tracing
 
+    if console_tracing(config):
+        keep_span_lines_whole()  # Ray's log deduplication would cut the printed spans
     if metrics_port is not None:
         ray.init(_metrics_export_port=metrics_port)
 

@@ -54,10 +54,12 @@ from deployments.security import RequestGuard, RequestGuardMiddleware
 from deployments.tokenize_api import (
     DetokenizeRequest,
     TokenizeRequest,
+    check_shape,
     check_token_ids,
     detokenize,
     encode_prompt,
     tokenize,
+    tokenize_result,
     tokenizer_info,
 )
 from ops.telemetry.tracing import (
@@ -202,20 +204,30 @@ class OpenAIIngress:
     # ---- endpoints -------------------------------------------------------------------------
     @api.get("/health")
     async def health(self):
-        """200 once the router has reached every pool it routes to; until then 503 naming the missing ones."""
-        missing = await self.router.missing_pools()
+        """200 once the router has reached every pool it routes to; until then 503 naming the missing ones.
+        Answers within about 20 ms plus the proxy hop (``Router.readiness``: the pools are probed in the background)."""
+        missing = await self.router.readiness()
         if missing:
             return JSONResponse({"status": "starting", "missing": missing,
                                  "message": f"waiting for the {' and '.join(missing)} pool to answer"},
                                 status_code=503, headers={"retry-after": "1"})
         return {"status": "ok"}
 
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": now(), "owned_by": "persistent-serve",
+                "max_model_len": self.max_model_len}
+
     @api.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": now(), "owned_by": "persistent-serve",
-             "max_model_len": self.max_model_len}
-        ]}
+        """OpenAI's model list: the one served model."""
+        return {"object": "list", "data": [self._model_card()]}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str):
+        """OpenAI's ``GET /v1/models/{id}`` (``client.models.retrieve``): the served model's card, else a 404
+        ``model_not_found``."""
+        self._check_model(model_id)
+        return self._model_card()
 
     @api.get("/debug/stats")
     async def stats(self):
@@ -269,13 +281,15 @@ class OpenAIIngress:
 
     @api.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
+        """vLLM's ``POST /tokenize``: a prompt's ids, or the ids the chat endpoint counts as ``prompt_tokens`` for
+        ``messages`` (with ``tools``, ``tool_choice``, ``reasoning_effort``, ``response_format``: for a harmony
+        model the same plan as the chat request's). 400 for unknown fields or chat fields with a prompt."""
         self._check_model(body.model)
         self.guard.check_request(body)
-        if body.messages is not None and body.prompt is None and self.chat_planner.harmony:
-            plan = await asyncio.to_thread(self.chat_planner.plan_harmony,
-                                           [m.model_dump(exclude_none=True) for m in body.messages],
-                                           None, None, None, None, None)
-            return {"tokens": plan.token_ids, "count": len(plan.token_ids), "max_model_len": self.max_model_len}
+        check_shape(body)
+        if body.messages is not None and (self.chat_planner.harmony or body.tools):
+            plan = await asyncio.to_thread(self.chat_planner.plan, body.chat_request())  # the chat endpoint's plan
+            return tokenize_result(self.tokenizer, plan.token_ids, self.max_model_len, body.return_token_strs)
         return await asyncio.to_thread(tokenize, self.encoder, body, self.max_model_len)
 
     @api.post("/detokenize")

@@ -12,7 +12,10 @@ message's instructions), ``input`` (a string, or items: messages, ``function_cal
 The answer is a ``response`` object whose ``output`` holds, in order, ``reasoning`` items
 (the analysis channel, as ``content[{"type": "reasoning_text"}]``), ``message`` items
 (``output_text``) and ``function_call`` items (``call_id``, ``name``, ``arguments``), with
-``usage`` filled in (``output_tokens_details.reasoning_tokens`` counted by the parser).
+``usage`` filled in (``output_tokens_details.reasoning_tokens`` counted by the parser). What the
+harmony parser could not use is listed in ``harmony_errors`` (as in chat); a reply that ended
+with no message and no call (only reasoning) is ``incomplete`` with ``incomplete_details.reason``
+``no_final_message``, so a client never takes an empty ``output_text`` for an answer.
 Streaming sends ``response.created``, ``response.in_progress``, per item
 ``response.output_item.added`` / ``.done``, ``response.reasoning_text.delta`` / ``.done``,
 ``response.content_part.added`` / ``.done``, ``response.output_text.delta`` / ``.done``,
@@ -38,7 +41,7 @@ from deployments.chat_extensions import (
     ResponseFormat,
     ToolParam,
 )
-from deployments.harmony.parser import Delta, HarmonyOutputParser
+from deployments.harmony.parser import NO_FINAL_MESSAGE, Delta, HarmonyOutputParser
 from deployments.openai_format import _chain, to_http
 from deployments.protocol import ChatCompletionRequest, OpenAIError, new_id, now, validation_error
 from replicas.messages import GenerationError
@@ -259,7 +262,7 @@ class ResponsesFormat:
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
             "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "incomplete_details": {"reason": self._incomplete_reason()} if status == "incomplete" else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "metadata": b.metadata or {},
             "output": [it.body("completed" if done else "in_progress") for it in self.items] if done else [],
             "parallel_tool_calls": b.parallel_tool_calls if b.parallel_tool_calls is not None else True,
@@ -277,10 +280,18 @@ class ResponsesFormat:
                 "total_tokens": self.prompt_tokens + self.output_tokens,
             } if done else None,
             "user": None,
+            **({"harmony_errors": list(self.parser.errors)} if done and self.parser is not None and self.parser.errors
+               else {}),
         }
 
+    def _no_answer(self) -> bool:
+        return self.parser is not None and NO_FINAL_MESSAGE in self.parser.errors
+
+    def _incomplete_reason(self) -> str:
+        return "no_final_message" if self.finish != "length" and self._no_answer() else "max_output_tokens"
+
     def _status(self) -> str:
-        return "incomplete" if self.finish == "length" else "completed"
+        return "incomplete" if self.finish == "length" or self._no_answer() else "completed"
 
     # ---- folding engine chunks into items, as events ------------------------------------------
     def _delta(self, item) -> Delta:

@@ -26,7 +26,8 @@ to ``spillover_wait_s``, so Serve's queue wakes it.
 
 Readiness: :meth:`Router.missing_pools` names the pools the router has not reached yet (one real
 call through each handle, which also resolves the handle's replicas); ``/health`` answers 503 until
-it is empty.
+it is empty, from :meth:`Router.readiness` (the probe runs in the background; ``/health`` answers
+within about ``HEALTH_WAIT_S`` from the last known state).
 
 Co-located mode: one deployment hosts both lanes; the router sends persistent traffic to its
 ``generate_persistent`` entry and standard traffic to its ``generate`` entry (same handle). A busy
@@ -107,6 +108,8 @@ POOL_RECHECK_TIMEOUT_S = 0.25
 READY_PROBE_TIMEOUT_S = 2.0
 """How long one readiness probe (a ``ping`` through a pool's handle) may take; past it ``/health`` answers
 503 and the next call probes again."""
+HEALTH_WAIT_S = 0.02
+"""How long ``/health`` waits for a running readiness probe before it answers from the last known state."""
 UNHEALTHY_RETRY_S = 5.0
 """After a replica reports an unhealthy or unusable decoder, skip the persistent lane this long
 (Serve replaces an unhealthy replica meanwhile), then try it again."""
@@ -174,6 +177,7 @@ class Router:
         self._reached: set[str] = set()
         self._probe_lock = asyncio.Lock()
         self._first_probe: asyncio.Future | None = None  # the one probe a request waits for (first_requests_probe)
+        self._health_probe: asyncio.Future | None = None  # the background probe /health reports on (readiness)
         self.direct_stream = direct_stream
         self._listener: StreamListener | None = None
         self._listener_lock = asyncio.Lock()
@@ -202,24 +206,42 @@ class Router:
     # ---- readiness and the persistent pool's view ----------------------------------------
     async def missing_pools(self) -> list[str]:
         """The pools this router has not reached yet (``[]``: ready). Each missing pool gets one ``ping``
-        through its handle (the same handle requests use, so its replicas are resolved afterwards)."""
+        through its handle (the same handle requests use, so its replicas are resolved afterwards), all at
+        once, each waiting at most ``READY_PROBE_TIMEOUT_S``; so this may take that long."""
         await self._ensure_listener()
         async with self._probe_lock:
-            missing = []
-            for name in self._pools_needed:
-                if name in self._reached:
-                    continue
-                handle = self.standard if name == "standard" else self.persistent
-                try:
-                    await asyncio.wait_for(handle.ping.remote(), timeout=READY_PROBE_TIMEOUT_S)
-                except Exception:  # noqa: BLE001 - not reachable yet (deploying, replaced, timed out)
-                    missing.append(name)
-                    continue
-                if name == "persistent":
-                    await self._refresh_pool()  # know the pool before the first request
-                self._reached.add(name)
+            todo = [name for name in self._pools_needed if name not in self._reached]
+            reached = await asyncio.gather(*(self._probe(name) for name in todo))
             self._ensure_poller()
-            return missing
+            return [name for name, ok in zip(todo, reached, strict=True) if not ok]
+
+    async def _probe(self, name: str) -> bool:
+        """One ``ping`` through pool ``name``'s handle; True (and the pool marked reached) when it answered."""
+        handle = self.standard if name == "standard" else self.persistent
+        try:
+            await asyncio.wait_for(handle.ping.remote(), timeout=READY_PROBE_TIMEOUT_S)
+            if name == "persistent":
+                await self._refresh_pool()  # know the pool before the first request
+        except Exception:  # noqa: BLE001 - not reachable yet (deploying, replaced, timed out)
+            return False
+        self._reached.add(name)
+        return True
+
+    async def readiness(self) -> list[str]:
+        """What ``/health`` reports, within about ``HEALTH_WAIT_S``: the pools not reached yet (``[]``: ready).
+
+        While a pool is missing, a probe (:meth:`missing_pools`) runs in the background, one at a time; this
+        waits for it at most ``HEALTH_WAIT_S`` and answers from the last known state, so a readiness probe
+        with a short timeout (Kubernetes' default is 1 s) gets its 503 instead of a timeout. Once every pool
+        was reached the answer is ``[]`` at once, for good."""
+        if len(self._reached) == len(self._pools_needed) and self._poller is not None:
+            return []
+        if self._health_probe is None or self._health_probe.done():
+            self._health_probe = asyncio.ensure_future(self.missing_pools())
+            self._health_probe.add_done_callback(_consume_exception)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self._health_probe), timeout=HEALTH_WAIT_S)
+        return [name for name in self._pools_needed if name not in self._reached]
 
     async def _first_requests_probe(self) -> None:
         """Before this router's first requests: reach the pools once (:meth:`missing_pools`), unless
@@ -602,6 +624,12 @@ class _RayItem:
 
 _RAY_END = object()
 """Queue entry: the dispatch's Serve stream has ended."""
+
+
+def _consume_exception(future: asyncio.Future) -> None:
+    """Done callback of a background probe: its exception (if any) is read, so asyncio does not log it."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _pump(items, queue: asyncio.Queue) -> None:

@@ -10,9 +10,11 @@ tokenizer they use a cached encoder that keeps special-token strings in client t
 from __future__ import annotations
 
 import weakref
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.chat_extensions import ResponseFormat, ToolChoice, ToolParam
 from deployments.client_text import ClientTextEncoder
 from deployments.protocol import ChatMessage, OpenAIError
 
@@ -29,14 +31,21 @@ def client_encoder(tokenizer_or_encoder) -> ClientTextEncoder:
     return enc
 
 
+CHAT_FIELDS = ("tools", "tool_choice", "reasoning_effort", "response_format")
+"""Chat fields that change a harmony prompt; ``/tokenize`` takes them with ``messages`` (as vLLM takes ``tools``)."""
+
+
 class TokenizeRequest(BaseModel):
-    """``{"model", "prompt"}`` or ``{"model", "messages", "add_generation_prompt"}``.
+    """``{"model", "prompt"}`` or ``{"model", "messages", "add_generation_prompt"}``, plus for messages the
+    chat request's ``tools``, ``tool_choice``, ``reasoning_effort`` and ``response_format`` (a harmony prompt
+    declares the tools, states the effort and names a ``json_schema``: the ids are then the chat endpoint's
+    ``prompt_tokens``; the chat template of other models ignores them, and ``tools`` get the chat endpoint's 400).
 
     ``add_special_tokens`` defaults as in vLLM: true for a prompt, false for
-    messages (the chat template already has them).
+    messages (the chat template already has them). Unknown fields are refused (400 naming the field).
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
@@ -44,10 +53,30 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    response_format: ResponseFormat | None = None
+
+    def chat_request(self):
+        """The chat request whose prompt ids these messages and chat fields give (checked as the chat endpoint
+        checks it).
+
+        Raises:
+            OpenAIError: 400 for a tool_choice naming no tool, or a json_schema without a schema.
+        """
+        from deployments.protocol import ChatCompletionRequest
+
+        chat = ChatCompletionRequest(messages=self.messages, **{k: getattr(self, k) for k in CHAT_FIELDS
+                                                                if getattr(self, k) is not None})
+        chat.check()
+        return chat
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """``{"model", "tokens"}``; unknown fields are refused (400 naming the field)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     tokens: list[int]
@@ -93,18 +122,36 @@ def check_token_ids(tokenizer, ids: list[int], param: str) -> None:
         raise OpenAIError(f"token id {bad} is out of range: ids must be in [0, {vocab})", param=param)
 
 
-def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int) -> dict:
-    """``{"tokens", "count", "max_model_len"}`` (+ ``token_strs`` when asked)."""
+def check_shape(req: TokenizeRequest) -> None:
+    """Exactly one of ``prompt`` and ``messages``; the chat fields only with ``messages``.
+
+    Raises:
+        OpenAIError: 400 naming the field.
+    """
     if (req.prompt is None) == (req.messages is None):
         raise OpenAIError("send exactly one of `prompt` and `messages`", param="prompt")
+    if req.prompt is not None:
+        for name in CHAT_FIELDS:
+            if getattr(req, name) is not None:
+                raise OpenAIError(f"{name} applies to `messages`, not to a `prompt`", param=name)
+
+
+def tokenize_result(tokenizer, ids: list[int], max_model_len: int, token_strs: bool) -> dict:
+    """``{"tokens", "count", "max_model_len"}`` (+ ``token_strs`` when asked)."""
+    out = {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+    if token_strs:
+        out["token_strs"] = _hf(tokenizer).convert_ids_to_tokens(ids)
+    return out
+
+
+def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int) -> dict:
+    """``{"tokens", "count", "max_model_len"}`` (+ ``token_strs`` when asked)."""
+    check_shape(req)
     if req.messages is not None:
         ids = encode_chat(tokenizer, req.messages, req.add_generation_prompt, bool(req.add_special_tokens))
     else:
         ids = encode_prompt(tokenizer, req.prompt, req.add_special_tokens is not False)
-    out = {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
-    if req.return_token_strs:
-        out["token_strs"] = _hf(tokenizer).convert_ids_to_tokens(ids)
-    return out
+    return tokenize_result(tokenizer, ids, max_model_len, req.return_token_strs)
 
 
 def detokenize(tokenizer, req: DetokenizeRequest) -> dict:

@@ -5,10 +5,12 @@ compiles to a grammar, and a matcher per sequence gives the tokens allowed next,
 bitmask over the vocabulary, and advances on each sampled token. When the grammar is
 complete only the end-of-sequence token is allowed, so the sequence ends there.
 
-For models that reason before answering (GPT-OSS's harmony format) the grammar must
-apply to the answer only: :attr:`StructuredOutput.start_after` names the token ids
-that open the answer (``<|channel|>final<|message|>``); the mask is off until the
-output ends with them, then the matcher starts from the first answer token.
+A grammar may also start later: :attr:`StructuredOutput.start_after` names token ids
+after which the mask starts (it is off until the output ends with them, then the
+matcher starts from the next token). Harmony models (GPT-OSS) do not use it: their
+``response_format`` grammar is a Lark grammar over the whole reply, optional reasoning
+then the final answer (:func:`deployments.harmony.render.final_answer_grammar`), so a
+reply cannot end before its answer.
 
 The interface the engine uses is two methods of :class:`TokenConstraint`:
 ``allowed(vocab)`` before sampling and ``accept(token)`` after.

@@ -5,12 +5,15 @@ fed the token ids of every engine chunk of that choice in order (one token on th
 standard lane, a quantum on the persistent lane), so both lanes and both response
 modes produce the same message:
 
-* ``message.content``: the final channel (and commentary preambles);
+* ``message.content``: the final channel (and commentary preambles); null when there is none
+  (a tool call, or a reply that ended after its reasoning: OpenAI's convention);
 * ``message.reasoning_content`` and ``message.reasoning`` (vLLM's field and the newer
   name): the analysis channel, left out with ``include_reasoning: false``;
 * ``message.tool_calls``: one entry per valid call, ``finish_reason: "tool_calls"``;
 * ``message.harmony_errors`` (only when there are some): what in the model's output
-  could not be turned into the above (see the parser).
+  could not be turned into the above (see the parser), including a reply with no final
+  message;
+* ``usage.completion_tokens_details.reasoning_tokens``: the analysis channel's tokens.
 
 Streaming: each chunk's delta carries the reasoning / content text it added; a tool call
 comes as one delta with its ``index``, ``id``, ``type``, name and whole arguments once its
@@ -68,10 +71,16 @@ class HarmonyChatFormat(ChatFormat):
             out["reasoning_content"] = out["reasoning"] = reasoning
         return out
 
+    def _usage(self, choices: list[_HarmonyChoice], n: int) -> dict:
+        """OpenAI's usage plus ``completion_tokens_details.reasoning_tokens``: the analysis-channel text
+        tokens of every choice (as the Responses API's ``output_tokens_details``)."""
+        usage = ChatFormat._usage(choices, n)
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(c.parser.reasoning_tokens for c in choices)}
+        return usage
+
     def choice(self, i, c: _HarmonyChoice):
         p = c.parser
-        message = {"role": "assistant", **self._message_fields(p.reasoning, p.content if p.content or not p.tool_calls
-                                                               else None)}
+        message = {"role": "assistant", **self._message_fields(p.reasoning, p.content or None)}
         if p.tool_calls:
             message["tool_calls"] = [call.to_openai() for call in p.tool_calls]
         if p.errors:

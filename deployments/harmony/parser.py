@@ -15,7 +15,8 @@ message ends so that its arguments can be checked first.
 
 Malformed output never raises: a call to an undeclared function, arguments that
 are not JSON, a call cut off, a header that never reaches ``<|message|>``, text
-outside any message or an unexpected special token is recorded in
+outside any message, an unexpected special token or a turn that ended without a
+final message (only reasoning) is recorded in
 :attr:`HarmonyOutputParser.errors` (and the text that could be kept is kept).
 """
 
@@ -37,6 +38,10 @@ MESSAGE = 200008
 CALL = 200012
 ASSISTANT_STOP_TOKENS = (RETURN, CALL)
 """``stop_tokens_for_assistant_actions()``: what ends the assistant's turn."""
+
+NO_FINAL_MESSAGE = "the reply ended without a final message (no answer and no tool call)"
+"""The error of a turn that ended (not cut by ``max_tokens``) with neither content nor a call, e.g.
+``<|channel|>analysis<|message|>...<|return|>``: the response's content is then null."""
 
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
@@ -131,7 +136,8 @@ class HarmonyOutputParser:
 
     def finish(self, finish_reason: str | None = None) -> Delta:
         """The output ended (``finish_reason`` from the engine): flush what is pending and note a
-        message that was never closed. Returns the last delta."""
+        message that was never closed, or (:data:`NO_FINAL_MESSAGE`) a turn that ended with neither
+        content nor a tool call and no other error. Returns the last delta."""
         out = Delta()
         if self.state == "CONTENT":
             where = {"reasoning": "the analysis channel", "content": "the final answer",
@@ -146,6 +152,8 @@ class HarmonyOutputParser:
             self._header_as_content(out)
         elif self.state == "HEADER" and self._header:
             self.errors.append("the output ended inside a message header")
+        if finish_reason != "length" and not self.content and not self.tool_calls and not self.errors:
+            self.errors.append(NO_FINAL_MESSAGE)
         self.state = "DONE"
         self._route = None
         return out

@@ -225,10 +225,19 @@ def required_call_grammar(tools: list[FunctionTool]) -> str:
         rules.append(f'call_{i}: " to=functions.{t.name}" <|channel|> "commentary " <|constrain|> "json" '
                      f"<|message|> args_{i} <|call|>")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
-    return "\n".join([
-        "start: analysis? call",
-        'analysis: <|channel|> "analysis" <|message|> TEXT <|end|> <|start|> "assistant"',
-        r"TEXT: /(.|\n)*/",
-        "call: " + " | ".join(calls),
-        *rules,
-    ]) + "\n"
+    return "\n".join(["start: analysis? call", *_ANALYSIS, "call: " + " | ".join(calls), *rules]) + "\n"
+
+
+_ANALYSIS = ('analysis: <|channel|> "analysis" <|message|> TEXT <|end|> <|start|> "assistant"', r"TEXT: /(.|\n)*/")
+"""Lark rules of an optional reasoning message before the one the grammar requires (special tokens by name)."""
+
+
+def final_answer_grammar(schema_json: str) -> str:
+    """An llguidance Lark grammar for a harmony reply whose answer must match a JSON schema
+    (``response_format``): optional reasoning on ``analysis``, then
+    ``<|channel|>final<|message|>``, JSON matching ``schema_json`` (the schema as JSON text), ``<|return|>``.
+    So the reply cannot end inside its reasoning, and what follows it is the answer.
+    """
+    return "\n".join(["start: analysis? final", *_ANALYSIS,
+                      'final: <|channel|> "final" <|message|> answer <|return|>',
+                      f"answer: %json {schema_json}"]) + "\n"

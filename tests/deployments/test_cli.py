@@ -48,3 +48,18 @@ def test_serve_run_strings_for_structured_fields_are_json():
     assert config.engine.pipeline_quanta is False
     with pytest.raises(ValueError, match="moe_tiles: expected JSON"):
         AppConfig.from_args({"moe_tiles": "down_pairs=1"})
+
+
+def test_help_shows_every_default():
+    """``--help`` names the default of every flag (the config's, not argparse's None)."""
+    helps = {a.option_strings[0]: a.help for a in build_parser()._actions if a.option_strings}
+    assert helps["--persistent-decoder"].endswith("(default: auto)")
+    assert helps["--max-model-len"].endswith(f"(default: {EngineConfig().max_model_len})")
+    assert helps["--spillover-wait-s"].endswith("(default: 0.5)")
+    assert helps["--direct-stream"].endswith("(default: true)")
+    assert helps["--tracing-exporter"].endswith("(default: unset)")  # then OTEL_TRACES_EXPORTER, else none
+    assert '"max_ongoing_requests": 1' in helps["--persistent-pool"]
+    assert "default 8000" in helps["--port"]
+    for flag, text in helps.items():
+        assert flag == "-h" or "default" in text, flag
+    assert "(default: " in build_parser().format_help()  # argparse formats them (no stray %)

@@ -16,7 +16,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deployments.harmony import FunctionTool, HarmonyOutputParser, harmony_encoding, render_chat
-from deployments.harmony.parser import CALL, CHANNEL, END, MESSAGE, RETURN, START, parse_header
+from deployments.harmony.parser import (
+    CALL,
+    CHANNEL,
+    END,
+    MESSAGE,
+    NO_FINAL_MESSAGE,
+    RETURN,
+    START,
+    parse_header,
+)
 from deployments.harmony.vocab import O200K_SHA256, VOCAB_FILE, render_vocab_file, vocab_dir
 
 
@@ -48,6 +57,7 @@ OUTPUTS = {
     "stray_start": "<|channel|>final<|message|>partial <|start|>assistant<|channel|>final<|message|>again<|return|>",
     "special_in_content": "<|channel|>final<|message|>a<|channel|>b<|return|>",
     "builtin_tool": "<|channel|>analysis to=browser.search<|message|>{\"q\": 1}<|call|>",
+    "reasoning_only": "<|channel|>analysis<|message|>Paris, as JSON.<|return|>",
 }
 
 
@@ -209,3 +219,14 @@ def test_checkpoint_chat_template_agrees_with_the_renderer(tiny_harmony_model):
     assert planner.describe()["checkpoint_chat_template"] == "agrees"
     broken = planner.tokenizer.chat_template.replace("Reasoning: ", "Reasoning effort: ")
     assert planner.check_checkpoint_template(broken).startswith("differs")
+
+
+def test_a_reply_that_ends_in_its_reasoning_has_no_answer_and_says_so(enc):
+    """``analysis ... <|return|>``: no content, and an error naming it (a client must not read "" as the
+    answer); cut by max_tokens, the cut is the error; a reply with an answer or a call has none."""
+    p, _ = parse(enc, ids(enc, OUTPUTS["reasoning_only"]))
+    assert summary(p) == ("Paris, as JSON.", "", [], [NO_FINAL_MESSAGE])
+    p, _ = parse(enc, ids(enc, OUTPUTS["cut_in_analysis"]), finish="length")
+    assert NO_FINAL_MESSAGE not in p.errors and "max_tokens" in p.errors[0]
+    for name in ("reasoning_then_final", "call", "final_only"):
+        assert parse(enc, ids(enc, OUTPUTS[name]))[0].errors == []

@@ -277,3 +277,122 @@ def test_responses_on_smollm2(client):
     assert [o.type for o in r.output] == ["message"] and r.output_text
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 6 and r.usage.input_tokens > 0
+
+
+# ---- replies without an answer, structured outputs over the whole reply (issue 35) ---------------
+
+NO_ANSWER = EX["capital_json"].messages  # without its json_schema format the model reasons, then ends: no answer
+
+
+def _post_chat(harmony, **body) -> dict:
+    r = httpx.post(f"{harmony.base_url}chat/completions", timeout=120,
+                   json={"model": HARMONY_MODEL, "temperature": 0, "max_tokens": 80, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _sse(harmony, **body) -> list[dict]:
+    with httpx.stream("POST", f"{harmony.base_url}chat/completions", timeout=120, json={
+            "model": HARMONY_MODEL, "temperature": 0, "max_tokens": 80, "stream": True,
+            "stream_options": {"include_usage": True}, **body}) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_a_reply_that_ends_in_its_reasoning_is_null_content_with_an_error(harmony):
+    """The model ends ``analysis ... <|return|>``: content null (not ""), harmony_errors says so, in both response
+    modes and on the Responses API (``incomplete``, reason ``no_final_message``)."""
+    from deployments.harmony.parser import NO_FINAL_MESSAGE
+
+    body = _post_chat(harmony, messages=NO_ANSWER)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["reasoning_content"]
+    assert choice["message"]["content"] is None and choice["message"]["harmony_errors"] == [NO_FINAL_MESSAGE]
+    usage = body["usage"]
+    assert 0 < usage["completion_tokens_details"]["reasoning_tokens"] < usage["completion_tokens"]
+    chunks = _sse(harmony, messages=NO_ANSWER)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert not any(d.get("content") for d in deltas)
+    assert [d["harmony_errors"] for d in deltas if "harmony_errors" in d] == [[NO_FINAL_MESSAGE]]
+    assert chunks[-1]["usage"] == usage
+    r = harmony.responses.create(model=HARMONY_MODEL, input=NO_ANSWER[0]["content"], temperature=0,
+                                 max_output_tokens=80)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "no_final_message"
+    assert [o.type for o in r.output] == ["reasoning"] and r.output_text == ""
+    assert r.model_extra["harmony_errors"] == [NO_FINAL_MESSAGE]
+    events = list(harmony.responses.create(model=HARMONY_MODEL, input=NO_ANSWER[0]["content"], temperature=0,
+                                           max_output_tokens=80, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "no_final_message"
+
+
+@pytest.mark.parametrize("fmt", ["json_object", "json_schema"])
+def test_response_format_constrains_the_whole_reply(harmony, fmt):
+    """The issue's request: the same question with a response_format. The grammar spans the whole reply (optional
+    reasoning, then a final message that matches the schema), so the reply that ended in its reasoning
+    unconstrained now ends in a JSON answer, in both response modes and on the Responses API."""
+    schema = CAPITAL_SCHEMA if fmt == "json_schema" else {"type": "object"}
+    response_format = EX["capital_json"].response_format if fmt == "json_schema" else {"type": "json_object"}
+    body = _post_chat(harmony, messages=NO_ANSWER, response_format=response_format, max_tokens=120)
+    choice = body["choices"][0]
+    content = choice["message"]["content"]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(content), schema)
+    assert "harmony_errors" not in choice["message"]
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in
+                       _sse(harmony, messages=NO_ANSWER, response_format=response_format, max_tokens=120)
+                       if c["choices"])
+    assert streamed == content
+    text = {"format": {"type": "json_object"}} if fmt == "json_object" else {"format": {
+        "type": "json_schema", "name": "capital", "schema": CAPITAL_SCHEMA, "strict": True}}
+    r = harmony.responses.create(model=HARMONY_MODEL, input=NO_ANSWER[0]["content"], temperature=0,
+                                 max_output_tokens=120, text=text)
+    assert r.status == "completed" and r.output[-1].type == "message"
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_tokenize_takes_the_chat_fields(harmony, server):
+    """``/tokenize`` with tools / reasoning_effort / response_format gives the chat endpoint's prompt_tokens;
+    unknown fields and chat fields with a prompt are refused."""
+    url = f"{server}/harmony/tokenize"
+    for ex in (EX["weather_call"], EX["capital_high"], EX["capital_json"]):
+        req = ex.request()
+        ids = httpx.post(url, json={k: v for k, v in req.items() if k != "temperature"}, timeout=30).json()["tokens"]
+        chat = _post_chat(harmony, **req, max_tokens=1)
+        assert len(ids) == chat["usage"]["prompt_tokens"], ex.name
+    msgs, tools = EX["weather_call"].messages, EX["weather_call"].tools
+    bare = httpx.post(url, json={"messages": msgs}, timeout=30).json()["count"]
+    assert httpx.post(url, json={"messages": msgs, "tools": tools}, timeout=30).json()["count"] > bare
+    r = httpx.post(url, json={"messages": EX["capital"].messages, "tool": []}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool"
+    r = httpx.post(url, json={"prompt": "hi", "tools": EX["weather_call"].tools}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    r = httpx.post(f"{server}/tokenize", json={"messages": EX["capital"].messages, "tools": EX["weather_call"].tools})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"  # SmolLM2: no tool format, as chat
+
+
+def test_readme_example_runs_as_printed(server, capsys):
+    """The README's GPT-OSS example, exactly as printed but for the address and the served name, against the tiny
+    harmony model: every request is one it was trained on, so the printed answers are the trained ones."""
+    import contextlib
+    import io
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## GPT-OSS: reasoning, tools, structured outputs, Responses", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'base_url="http://127.0.0.1:8000/v1"' in code and code.count('model="gpt-oss"') == 5
+    code = code.replace("http://127.0.0.1:8000/v1", f"{server}/harmony/v1").replace(
+        'model="gpt-oss"', f'model="{HARMONY_MODEL}"')
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md (GPT-OSS example)", "exec"), {})
+    lines = out.getvalue().splitlines()
+    assert lines[:4] == [
+        f"{_reasoning(EX['capital_low'])} {_answer(EX['capital_low'])}",
+        f"tool_calls get_weather {CALL_ARGUMENTS}",
+        _answer(EX["weather_answer"]),
+        str(json.loads(_answer(EX["capital_json"]))),
+    ], lines
+    answer, reasoning_tokens = lines[4].rsplit(" ", 1)
+    assert len(lines) == 5 and answer == _answer(EX["capital_high"]) and int(reasoning_tokens) > 0, lines

@@ -7,6 +7,7 @@ would; the c=8 comparison runs on the session's ``/`` app (one persistent, one s
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 import statistics
 import time
@@ -40,13 +41,20 @@ def test_health_waits_for_both_pools_and_the_first_greedy_request_goes_persisten
     base = f"{server}/fresh"
     try:
         starting: list[dict] = []
+        seen: list[str] = []  # what a probe with a 1 s timeout (Kubernetes' default) saw, in order
         deadline = time.monotonic() + 240
         while True:
             assert time.monotonic() < deadline, f"/health never answered 200; saw {starting[-3:]}"
             try:
-                r = httpx.get(f"{base}/health", timeout=30)
-            except httpx.HTTPError:
+                r = httpx.get(f"{base}/health", timeout=1.0)
+            except httpx.TimeoutException:
                 r = None
+                seen.append("timeout")
+            except httpx.HTTPError as exc:
+                r = None
+                seen.append(type(exc).__name__)
+            if r is not None:
+                seen.append(str(r.status_code) + (" ingress" if "missing" in r.text or r.status_code == 200 else ""))
             if r is not None and r.status_code == 200:
                 assert r.json() == {"status": "ok"}
                 break
@@ -56,8 +64,11 @@ def test_health_waits_for_both_pools_and_the_first_greedy_request_goes_persisten
                     assert set(body["missing"]) <= {"standard", "persistent"} and body["missing"], body
                     starting.append(body)
             time.sleep(0.2)
+        runs = [(k, len(list(g))) for k, g in itertools.groupby(seen)]
         print(f"\n/health answered 503 {len(starting)} times first, missing: "
-              f"{sorted({m for b in starting for m in b['missing']})}")
+              f"{sorted({m for b in starting for m in b['missing']})}; a 1 s probe saw {runs}")
+        first = next(i for i, k in enumerate(seen) if k.endswith("ingress"))
+        assert "timeout" not in seen[first:], runs  # once the ingress answers, it answers within the probe's timeout
         trace_ids = []
         for _ in range(8):
             trace_ids.append(trace_id := secrets.token_hex(16))
@@ -89,19 +100,35 @@ def test_health_names_a_pool_that_never_comes_up(server, otlp):
     try:
         deadline = time.monotonic() + 180
         body = None
+        seen = []  # what a 1 s probe sees before the ingress answers (docs/operations.md, Readiness probes)
         while time.monotonic() < deadline:
             try:
-                r = httpx.get(f"{base}/health", timeout=30)
-            except httpx.HTTPError:  # the proxy may hold the call while the app's routes come up
+                r = httpx.get(f"{base}/health", timeout=1.0)
+            except httpx.HTTPError as exc:  # the proxy may hold the call while the app's routes come up
+                seen.append(type(exc).__name__)
                 continue
+            seen.append(f"{r.status_code} {r.text[:40]!r}")
             if r.status_code == 503 and r.headers.get("content-type", "").startswith("application/json"):
                 body = r.json()
                 if body.get("missing") == ["persistent"]:
                     break
             assert r.status_code != 200, r.text
             time.sleep(0.5)
+        print(f"\nbefore the ingress answered, a 1 s probe saw {[(k, len(list(g))) for k, g in itertools.groupby(seen)]}")
         assert body is not None and body["missing"] == ["persistent"] and body["status"] == "starting", body
         assert "persistent" in body["message"] and r.headers["retry-after"] == "1"
+        # a probe with Kubernetes' default 1 s timeout gets its 503 at once (the pool's ping, 2 s, runs in the
+        # background): never a timeout
+        latencies = []
+        for _ in range(10):
+            start = time.monotonic()
+            r = httpx.get(f"{base}/health", timeout=1.0)
+            latencies.append(time.monotonic() - start)
+            assert r.status_code == 503 and r.json()["missing"] == ["persistent"]
+            time.sleep(0.3)
+        print(f"\n/health with a pool missing: median {statistics.median(latencies) * 1e3:.0f} ms, "
+              f"max {max(latencies) * 1e3:.0f} ms")
+        assert statistics.median(latencies) < 0.25, latencies
         ok = httpx.post(f"{base}/v1/chat/completions", timeout=120, headers={"x-lane": "standard"},
                         json={"model": MODEL, "messages": FRANCE, "max_tokens": 4})
         assert ok.status_code == 200 and ok.headers["x-lane"] == "standard"

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.deployments.conftest import MODEL
+from tests.deployments.conftest import HARMONY_MODEL, MODEL
 
 pytestmark = pytest.mark.ray
 
@@ -178,6 +178,18 @@ def test_models_and_health(server):
     models = httpx.get(f"{server}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+
+
+def test_models_retrieve(client, server):
+    """``GET /v1/models/{id}`` (``client.models.retrieve``): the served model's card, else 404 model_not_found."""
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object, card.owned_by) == (MODEL, "model", "persistent-serve")
+    assert card.model_extra["max_model_len"] == 1024
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-5")
+    assert info.value.response.json()["error"]["code"] == "model_not_found"
+    r = httpx.get(f"{server}/harmony/v1/models/{HARMONY_MODEL}")
+    assert r.status_code == 200 and r.json()["id"] == HARMONY_MODEL
 
 
 def test_off_mode_serves_everything_on_standard_lane(server, otlp):
