@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         args.shapes = "tiny,tiny-gpt-oss"
     if args.replot:
         rows = [Row(**r) for r in json.loads(Path(args.replot).read_text())]
-        plot(rows, Path(args.plot or "docs/bench_engine.png"))
+        plot(rows, Path(args.plot or "bench_engine.png"))
         return rows
     for spec in args.variants.split(";") if args.variants else []:
         parse_variant(spec)  # a bad setting fails before anything is built
