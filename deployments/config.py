@@ -71,8 +71,8 @@ class AppConfig(BaseModel):
     )
     ingress_replicas: int = Field(
         1, ge=1, description="Ingress replicas (HTTP, templates, the router; like vLLM's --api-server-count): "
-        "each one spends about 0.5 ms of CPU per streamed token (about 2,000 tokens a second; docs/benchmarks.md, "
-        "Fourth run on the H200), so many concurrent streams need several. Serve's proxy spreads requests over "
+        "each one spends CPU on every streamed token (docs/decisions/0004-ingress-replicas.md has the H200 figure), "
+        "so many concurrent streams need several. Serve's proxy spreads requests over "
         "them; each has its own router, which reaches the pools before its first request is routed.",
     )
     direct_stream: bool = Field(

@@ -3,7 +3,7 @@ it (the ingress replica running the router), over one TCP connection per (engine
 instead of yielding each item back through two Ray hops (engine actor → replica → ingress).
 
 Why: on the H200 each item relayed that way cost the first token about 4-6 ms and every later chunk
-2.6-4 ms (``docs/benchmarks.md``, "Third run on the H200"); one frame on a socket the two processes
+2.6-4 ms (``docs/decisions/0003-direct-output-streams.md``); one frame on a socket the two processes
 already hold costs a write, a read and an unpickle. The request itself still goes through Serve
 (router → replica → engine actor), so Serve keeps choosing, admitting, health-checking and autoscaling
 replicas; only the way back changes. How it fits together: ``docs/architecture.md``, "Direct output

@@ -638,7 +638,7 @@ def overhead_rows(res: dict) -> list[dict]:
 
 
 def report(results: dict) -> str:
-    """Markdown of everything measured so far (for docs/benchmarks.md)."""
+    """Markdown of everything measured so far (``report.md``; the result files carry the numbers the docs show)."""
     lines = [f"Machine: {results.get('machine', '?')}. Ray + Serve started in {results.get('ray_start_s')} s.", ""]
     for model, res in results["models"].items():
         lines += [f"### {model}", "", f"App: `{json.dumps(res.get('app', {}), sort_keys=True)}`; up (``/health`` "

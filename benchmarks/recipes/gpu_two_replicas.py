@@ -1,7 +1,7 @@
 """Two persistent replicas on two GPUs of one machine, and a standard replica on a fraction of one.
 
-The claim "one TP1 persistent replica per GPU" on real hardware (docs/benchmarks.md, "Two persistent
-replicas on two GPUs"). On a machine with two GPUs (``benchmarks/recipes/gpu_serve.sh run`` installs the carried
+The claim "one TP1 persistent replica per GPU" on real hardware (no two-GPU run yet; its CPU dry run found
+``docs/decisions/0008-recheck-pool-before-spilling.md``). On a machine with two GPUs (``benchmarks/recipes/gpu_serve.sh run`` installs the carried
 wheels first; ``GPU_SERVE_RECIPE=benchmarks.recipes.gpu_two_replicas`` makes it run this), one local Ray cluster with
 ``num_gpus=2``, one Serve instance, and the app deployed through Serve's config path (what ``serve deploy``
 does): the embedded SmolLM2-135M-Instruct (real weights), ``cuda_graph`` backend,
@@ -281,7 +281,7 @@ def third(recipe: TwoReplicaRecipe) -> dict:
 
 
 def report(results: dict) -> str:
-    """Markdown of everything measured so far (for docs/benchmarks.md)."""
+    """Markdown of everything measured so far (``report.md``)."""
     lines = [f"Machine: {results.get('machine', '?')}. Ray + Serve started in {results.get('ray_start_s')} s.", ""]
     dep = results.get("deploy") or {}
     if dep:

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL) for the decode step's Triton kernels (Hopper and newer).
 
 A decode step is a few hundred short launches back to back, and every launch
-starts by waiting for DRAM (``docs/benchmarks.md`` has the gaps and what PDL
+starts by waiting for DRAM (``docs/decisions/0012-programmatic-dependent-launch.md`` has the gaps and what PDL
 saves). With PDL (CUDA's programmatic stream serialization; PTX
 ``griddepcontrol``, Triton's ``gdc_wait`` / ``gdc_launch_dependents`` and the
 ``launch_pdl`` launch option) a kernel's CTAs may start while the previous

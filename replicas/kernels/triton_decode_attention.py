@@ -35,7 +35,7 @@ FEW_HEADS_SPLITS = 32
 """Split count when at most 8 (sequence, KV head) pairs share the launch (batch one: gpt-oss's 8 KV heads,
 SmolLM2's 3). A split covers ``cdiv(cdiv(context, splits), 64) * 64`` tokens, so at 1,152 tokens 16 splits
 leave 9 programs per KV head with two dependent 64-token iterations each, and 32 leave 18 with one
-(``docs/benchmarks.md`` compares 8, 16 and 32 inside the decode step)."""
+(``docs/decisions/0013-decode-attention-splits.md`` compares 8, 16 and 32 inside the decode step)."""
 
 
 ONE_PASS_WINDOW = 128
@@ -47,7 +47,7 @@ the merge launch. 0 turns it off."""
 
 ONE_PASS_BLOCK = 128
 """Keys per iteration of the one-pass (windowed) launch: 128, a whole gpt-oss window in one tile, so a
-program makes one iteration (``docs/benchmarks.md`` compares it with 64-key tiles)."""
+program makes one iteration (``docs/decisions/0014-one-pass-window-attention.md`` compares it with 64-key tiles)."""
 
 ONE_PASS_WARPS = 4
 """Warps per program of the one-pass (windowed) launch."""

@@ -3,7 +3,7 @@
 At one token, GPT-OSS's attention projections (qkv 2880 → 5120, o 4096 →
 2880) and router (2880 → 128) are small enough that cuBLAS's kernel choices
 leave bandwidth unused (a split-K kernel plus a reduce launch for the o
-projection and the router; ``docs/benchmarks.md`` has the comparison). Here
+projection and the router; ``docs/decisions/0021-triton-batch-one-gemv.md`` has the comparison). Here
 one launch reads each weight row once, every
 thread issuing its next 16-byte loads before the current step's arithmetic
 (a batch-one GEMV has nothing else to hide DRAM latency with), sums in fp32,
@@ -94,7 +94,7 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     Tile defaults (``block_k``/``num_warps`` None): 256 columns and 4 warps for outputs wider than 256
     rows (the qkv and o projections), 512 columns and 8 warps for narrower ones such as the router
     (N = 128): the best that ``python -m benchmarks.kernels --kernels dense`` found on an H200 at
-    gpt-oss-120b's shapes (``docs/benchmarks.md``).
+    gpt-oss-120b's shapes (``docs/decisions/0021-triton-batch-one-gemv.md``).
 
     ``swiglu``: ``weight`` is ``[2N, K]``, gate rows over up rows (Llama's fused ``gate_up_proj``), and the
     result is ``silu(gate) * up`` ``[1, N]`` (Shazeer 2020), from the fp32 sums, rounded once.

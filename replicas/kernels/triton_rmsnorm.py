@@ -80,7 +80,7 @@ def triton_add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torc
     npart = delta.shape[1] if delta is not None and delta.dim() == 3 else 0
     block = triton.next_power_of_2(n)
     # one program per row: at batch one a single SM reads the row and its partials, so give it enough
-    # warps to keep many loads in flight (16 at GPT-OSS's 2880; docs/benchmarks.md has the timing)
+    # warps to keep many loads in flight (16 at GPT-OSS's 2880; docs/decisions/0021-triton-batch-one-gemv.md has the timing)
     _add_rmsnorm_kernel[(t,)](x, delta.contiguous() if delta is not None else x, weight, x_out, y, y_mx, n, eps,
                               BLOCK=block, HAS_DELTA=delta is not None, WEIGHT_FP32=weight_in_fp32, NPART=npart,
                               MXFP4_OUT=mxfp4_out, num_warps=min(16, max(4, block // 256)), **pdl_args(x, pdl))

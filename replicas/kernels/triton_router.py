@@ -32,7 +32,7 @@ from replicas.kernels.triton_rmsnorm import rmsnorm_row
 def _topk_softmax(vals, offs, w_ptr, ids_ptr, K: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr):
     """Store the softmax of the ``K`` largest of ``vals`` ``[EP]`` fp32 (ids ``offs``; padding ``-inf``) at
     ``w_ptr`` and their ids (int64; decreasing logit, ties to the lowest id) at ``ids_ptr``: ``K`` rounds of
-    arg-max (``docs/benchmarks.md`` compares this with ranking all values at once)."""
+    arg-max (``docs/decisions/0019-fused-router-launch-and-fusions-that-lost.md`` compares this with ranking all values at once)."""
     offs_k = tl.arange(0, KP)
     top = tl.full([KP], float("-inf"), tl.float32)
     idx = tl.zeros([KP], tl.int32)

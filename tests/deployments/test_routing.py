@@ -149,7 +149,7 @@ def test_c8_greedy_on_auto_one_persistent_the_rest_spilled(server):
     """8 parallel greedy streams: on ``auto`` the persistent replica serves one and the rest spill to the
     standard lane (that they spill at once, ``waited_s=0``, is ``test_overload``'s check). The TTFT p50s of
     auto and forced-standard rounds, alternated so that load on the machine hits both alike, are printed
-    for docs/benchmarks.md ("Routing without needless waits"), not asserted: timing is a benchmark's job."""
+    for ``docs/decisions/0007-spill-at-once.md``, not asserted: timing is a benchmark's job."""
     before = pool_stats(server)["router"]["spillovers"]
     auto, forced, lanes = [], [], []
     _round(server, None, n=2)  # warm both lanes

@@ -34,8 +34,7 @@ def test_two_persistent_replicas_on_two_simulated_gpus(tmp_path):
     assert summary["errors"] == [] and summary["skipped"] == [], summary["errors"] or summary["skipped"]
     # with sampled traffic on the same two cores, the router can see both persistent replicas busy for a
     # moment between one greedy request's end and the next one's start (its view of the engines is read
-    # once a second) and spill that one for capacity (docs/benchmarks.md, "Two persistent replicas on two
-    # GPUs"): there the greedy streams need only be mostly persistent
+    # once a second) and spill that one for capacity (docs/decisions/0008-recheck-pool-before-spilling.md): there the greedy streams need only be mostly persistent
     failed = {k: v for k, v in summary["checks"].items() if not v["ok"] and k != "greedy_persistent_meanwhile"}
     assert not failed, failed
     meanwhile = summary["sampled"]["greedy"]

@@ -3,7 +3,7 @@ running decodes (the token counts of a first burst of requests) find every kerne
 
 Counted from each kernel's own cache of compiled variants (``JITFunction.device_caches``), not timed. Written
 while looking for why the first burst of 8 concurrent GPT-OSS requests through Serve on the H200 waited
-seconds that the engine-direct run did not (``docs/benchmarks.md``). Its steps never hold more tokens than
+seconds that the engine-direct run did not (``docs/decisions/0006-warm-up-every-grouped-gemm-height.md``). Its steps never hold more tokens than
 the warm-up's, so it did not catch that cause: the 120b burst's 4,096-token step needed the 128-row grouped
 GEMMs, which a warm-up of one prompt per height (at most ``max_model_len`` tokens) never reached. The CPU
 test ``tests/replicas/models/test_gpt_oss.py::test_warm_up_reaches_every_grouped_gemm_height_a_step_can_take``

@@ -19,13 +19,13 @@ so that:
 
 5 integer-ALU and 4 FMA-pipe instructions per word instead of 8 and 5 (on
 Hopper the integer ALU pipe issues a warp instruction every other cycle, and it
-bounds the decoding: ``docs/benchmarks.md``). Only the bits inside a
+bounds the decoding: ``docs/decisions/0017-decode-layout-repack.md``). Only the bits inside a
 word move, so rows, blocks, scales and the activations' order are unchanged.
 The layout was found by exhaustive search over the 8! placements of pair 3.
 
 Used by the ``hopper_bulk`` MoE backend when the engine config's ``moe_repack`` holds (the default):
 :meth:`replicas.kernels.moe.MoE.prepare` repacks a loaded model's experts once, in place
-(``docs/benchmarks.md`` has what it buys).
+(``docs/decisions/0017-decode-layout-repack.md`` has what it buys).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ each code pair is scaled by one ``mul.rn.bf16x2`` on its bf16x2 pattern (the
 factor ``2**(s - 65)`` is a normal bf16, so the same exactness holds) instead of
 two fp32 widenings, two multiplies and a rounding. Earlier variants (eight dots
 per K step against activations permuted per chunk, each dot waited for; weights
-on the right) and what they measured are in ``docs/benchmarks.md``.
+on the right) and what they measured are in ``docs/decisions/0022-grouped-gemm-one-dot-per-k-step.md``.
 
 Reference: :func:`replicas.kernels.moe.moe_reference` (each routed expert
 dequantized, dense GEMMs, the same math as transformers' ``GptOssExperts``).
@@ -104,7 +104,7 @@ TILES = {m: TileConfig(m, 128, 64, 4, 4) for m in (16, 32, 64, 128)}
 """Tile shape per ``BLOCK_M`` (chosen by :func:`pick_block_m` from the pairs per expert): ``BLOCK_M`` pairs
 per program, ``block_n`` weight rows per program (the left operand), ``block_k`` inputs per K step (a power of
 two, at least 32: one scale group), four pipeline stages. One shape for every height and both kernels: in the
-H200 sweep (``docs/benchmarks.md``, "Grouped GEMM: one dot per K step") it was within 5% of the best tile of
+H200 sweep (``docs/decisions/0022-grouped-gemm-one-dot-per-k-step.md``) it was within 5% of the best tile of
 each kernel at 64 to 8,192 tokens, and wider K steps spill registers at ``BLOCK_M`` 64 and 128."""
 
 

@@ -15,8 +15,8 @@ Blocks are persistent: each takes every so-many tile of 16 rows (23 KB at
 gpt-oss-120b's width) and keeps ``stages`` tiles' copies in flight. With the
 loads out of the way the launches are bound by the E2M1 decoding (issue slots
 and the integer pipe), which is what the repacked layout
-(:mod:`~replicas.kernels.moe.decode_layout`) shortens; ``docs/benchmarks.md``
-has the measurements.
+(:mod:`~replicas.kernels.moe.decode_layout`) shortens; ``docs/decisions/0015-moe-decode-backends.md``
+and ``0017-decode-layout-repack.md`` have the measurements.
 
 Same inputs, outputs and numerics as :func:`~replicas.kernels.moe.triton_tc.triton_moe_tc`
 (activations in its MMA format, times 2**64; fp32 sums; ``h`` rounded to bf16).
@@ -348,7 +348,7 @@ def cuda_moe_bulk(
         repacked: the packed blocks are in :mod:`~replicas.kernels.moe.decode_layout`'s bit layout
             (:func:`~replicas.kernels.moe.decode_layout.repack_`), which decodes in fewer instructions.
         The tile defaults are the best that ``python -m benchmarks.kernels --kernels hopper_bulk`` found on an H200
-        at gpt-oss-120b's shape (``docs/benchmarks.md``).
+        at gpt-oss-120b's shape (``docs/decisions/0018-bulk-moe-grid-and-tiles.md``).
 
     Returns:
         ``[T, K, hidden]`` fp32; ``x + out.sum(1)`` (in order) is the MoE layer with its residual.
@@ -359,7 +359,7 @@ def cuda_moe_bulk(
             stages not fitting in shared memory, or more than :data:`MAX_PAIRS` (token, expert) pairs.
     """
     t, hidden, k, inter = check_packed_moe(x, ids, gate_up_blocks, down_blocks)
-    if down_pairs is None:  # 32-row down tiles where they divide hidden (docs/benchmarks.md)
+    if down_pairs is None:  # 32-row down tiles where they divide hidden (docs/decisions/0018)
         down_pairs = 2 if hidden % 32 == 0 else 1
     for name, tensor in (("gate_up_scales", gate_up_scales), ("down_scales", down_scales),
                          ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):

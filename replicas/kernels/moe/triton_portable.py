@@ -36,7 +36,7 @@ from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
 @triton.jit
 def _e2m1_via_f16(code):
     """E2M1 codes (int32, 0..15) → fp32 value / 2**14 with a few integer ops (fewer than building the
-    fp32 bit pattern directly; docs/benchmarks.md compares the two).
+    fp32 bit pattern directly; docs/decisions/0016-deleted-moe-kernels.md compares the two).
 
     The code's 3 magnitude bits land on fp16's two lowest exponent bits and top mantissa bit, the
     sign on fp16's sign: fp16 then reads ``2**(e-15) (1 + m/2)`` (``e > 0``) or ``m * 2**-15``

@@ -497,7 +497,7 @@ def triton_moe_tc(
             add+RMSNorm launch that produced ``x``; computed here (torch ops) when None.
         num_warps: per program (16 rows); the warps split the rows' 32-value blocks. down_num_warps: the
             down launch's (None: ``num_warps``). Defaults of all tiles: the best that ``python -m
-            benchmarks.kernels --kernels triton_tc`` found on an H200 at gpt-oss-120b's shape (docs/benchmarks.md).
+            benchmarks.kernels --kernels triton_tc`` found on an H200 at gpt-oss-120b's shape (docs/decisions/0018-bulk-moe-grid-and-tiles.md).
         depth: steps of loads in flight ahead of the MMAs (1 or 2); down_depth: the down launch's (None:
             ``depth``).
         pairs: row pairs per lane (1 or 2: 16 or 32 rows per program, the second pair sharing the first's

@@ -138,7 +138,7 @@ def test_workspace_buffers_outlive_every_batch_size():
     """One workspace serves every batch size (the standard lane's decode graphs and the persistent lane's quanta
     share the model's): a buffer it once handed to a launch must stay allocated, since a CUDA graph captured
     with it replays its raw address, and a freed buffer is returned to the driver by the ``empty_cache`` each
-    later capture starts with (the illegal memory access of ``docs/benchmarks.md``'s first issue-18 H200 run).
+    later capture starts with (an illegal memory access seen on the H200: ``docs/decisions/0009-standard-lane-decode-graphs.md``).
     Batch sizes 1, 3, 2, 1: every tensor the workspace held stays alive, batch one reuses its first buffers,
     and the results stay the reference's."""
     import weakref
