@@ -16,6 +16,7 @@ matching engine/app config field and CLI flag, so a new implementation needs no 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
@@ -28,15 +29,25 @@ class Registry(Generic[T]):
     Args:
         concept: what the names name (``"moe_backend"``, ``"persistent backend"``, ...), used in messages.
         base: when given, :meth:`register` accepts only subclasses of it.
+        modules: modules that register implementations when imported, imported (in this order) on the
+            first lookup, so that importing the registry stays cheap and the built-in order is fixed.
 
     Lookups of a name that is not registered raise ``KeyError`` (callers with their own error type, e.g.
     :class:`~replicas.kernels.moe.MoEBackendError`, check :meth:`__contains__` first).
     """
 
-    def __init__(self, concept: str, base: type | None = None):
+    def __init__(self, concept: str, base: type | None = None, modules: tuple[str, ...] = ()):
         self.concept = concept
         self.base = base
+        self._modules = tuple(modules)
+        self._discovered = not self._modules
         self._entries: dict[str, T] = {}
+
+    def _discover(self) -> None:
+        if not self._discovered:
+            self._discovered = True  # before the imports: they call register()
+            for module in self._modules:
+                importlib.import_module(module)
 
     def register(self, name: str) -> Callable[[T], T]:
         """A class decorator that registers the class under ``name`` and returns it unchanged (it also
@@ -65,6 +76,7 @@ class Registry(Generic[T]):
         Raises:
             KeyError: ``name`` is not registered.
         """
+        self._discover()
         return self._entries.pop(name)
 
     def get(self, name: str) -> T:
@@ -73,6 +85,7 @@ class Registry(Generic[T]):
         Raises:
             KeyError: ``name`` is not registered (the message lists the registered names).
         """
+        self._discover()
         try:
             return self._entries[name]
         except KeyError:
@@ -80,19 +93,23 @@ class Registry(Generic[T]):
 
     def names(self) -> tuple[str, ...]:
         """The registered names, in registration order."""
+        self._discover()
         return tuple(self._entries)
 
     def items(self) -> Iterator[tuple[str, T]]:
         """``(name, entry)`` pairs, in registration order."""
+        self._discover()
         return iter(tuple(self._entries.items()))
 
     def __contains__(self, name: object) -> bool:
+        self._discover()
         return name in self._entries
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
     def __len__(self) -> int:
+        self._discover()
         return len(self._entries)
 
     def __repr__(self) -> str:

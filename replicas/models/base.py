@@ -58,8 +58,11 @@ class CausalLM(nn.Module):
         return ()
 
 
-MODELS: Registry[type[CausalLM]] = Registry("model_type", CausalLM)
-"""The model families we serve, by ``config.json`` ``model_type``, in registration order."""
+MODELS: Registry[type[CausalLM]] = Registry("model_type", CausalLM,
+                                            modules=("replicas.models.llama", "replicas.models.gpt_oss"))
+"""The model families we serve, by ``config.json`` ``model_type``, in registration order: each module listed
+registers its class when imported (on the registry's first lookup); a new family is its own file plus its
+module here."""
 
 _REQUIRED = ("from_pretrained", "from_config", "forward", "use_ops")
 

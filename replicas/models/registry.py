@@ -2,7 +2,7 @@
 give it the kernels resolved for this device.
 
 Every model class is a :class:`~replicas.models.base.CausalLM` registered in
-:data:`~replicas.models.base.MODELS` by its own file (importing this module imports the families); the
+:data:`~replicas.models.base.MODELS` by its own file (imported on the registry's first lookup); the
 protocol (methods, config fields, capabilities) is in that class's docstring and is checked once here, at
 load (:func:`~replicas.models.base.check_model`).
 """
@@ -14,15 +14,14 @@ from pathlib import Path
 
 import torch
 
-# isort: off
 from replicas.kernels.decode_ops import DecodeOps
 from replicas.models.base import MODELS, check_model
-from replicas.models import llama  # noqa: F401 - registers "llama"
-from replicas.models import gpt_oss  # noqa: F401 - registers "gpt_oss"
-# isort: on
 
-MODEL_TYPES = MODELS.names()
-"""The ``config.json`` ``model_type`` values we serve (a snapshot of :data:`~replicas.models.base.MODELS`)."""
+
+def __getattr__(name: str):
+    if name == "MODEL_TYPES":  # the ``config.json`` ``model_type`` values we serve
+        return MODELS.names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def model_class(path: str | Path):

@@ -1,19 +1,20 @@
 """The persistent lane and its backends (one contract: :mod:`.contract`).
 
-Each backend registers itself in its own file (:data:`.contract.PERSISTENT_BACKENDS`); importing this
-package imports them, so the registry is complete. The app config's ``persistent_backend`` choices, the
-CLI's and :func:`.factory.create_backend`'s come from that registry.
+Each backend registers itself in its own file (:data:`.contract.PERSISTENT_BACKENDS`, which imports those
+files on its first lookup: importing this package stays free of torch). The app config's
+``persistent_backend`` choices, the CLI's and :func:`.factory.create_backend`'s come from that registry.
 """
 
-# isort: off
-# Each module registers its backend; this order is the registry's (and the choices') order.
-from replicas.persistent import eager  # noqa: F401
-from replicas.persistent import cuda_graph  # noqa: F401
-from replicas.persistent import mk1  # noqa: F401
-# isort: on
-from replicas.persistent.contract import PERSISTENT_BACKENDS
 
-BACKENDS = ("auto", *PERSISTENT_BACKENDS.names())
+def __getattr__(name: str):
+    if name == "BACKENDS":
+        from replicas.persistent.contract import PERSISTENT_BACKENDS
+
+        return ("auto", *PERSISTENT_BACKENDS.names())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+BACKENDS: tuple[str, ...]
 """``auto`` (``cuda_graph`` on a CUDA GPU when the model has a static decode step, else ``eager``),
 ``eager`` (the reference, any device), ``cuda_graph`` (NVIDIA), ``mk1`` (AMD aiter MK1 on MI355X; only
-when named): a snapshot of the registry taken at import (``auto`` first)."""
+when named): ``auto`` then the registry's names, read when asked for."""

@@ -276,9 +276,11 @@ class PersistentBackend(abc.ABC):
         """
 
 
-PERSISTENT_BACKENDS: Registry[type[PersistentBackend]] = Registry("persistent backend", PersistentBackend)
-"""The persistent backends by name, in registration order (``eager``, ``cuda_graph``, ``mk1``: the
-modules :mod:`replicas.persistent` imports)."""
+PERSISTENT_BACKENDS: Registry[type[PersistentBackend]] = Registry(
+    "persistent backend", PersistentBackend,
+    modules=("replicas.persistent.eager", "replicas.persistent.cuda_graph", "replicas.persistent.mk1"))
+"""The persistent backends by name, in registration order: each module listed registers its backend when
+imported (on the registry's first lookup); a new backend is its own file plus its module here."""
 
 
 class PipelinedBackend(PersistentBackend):

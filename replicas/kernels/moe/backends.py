@@ -56,7 +56,8 @@ class MoEBackend:
     @classmethod
     def why_not(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why this backend cannot run for a ``dtype`` model on ``device`` (None: it can). The text completes
-        ``moe_backend=<name> ...`` in :class:`MoEBackendError`'s message. Must not launch model kernels."""
+        ``moe_backend=<name> ...`` in :class:`MoEBackendError`'s message. Launches no model kernel (it may
+        compile a probe, as ``hopper_bulk`` does)."""
         raise NotImplementedError
 
     @classmethod
