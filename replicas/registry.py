@@ -29,8 +29,9 @@ class Registry(Generic[T]):
     Args:
         concept: what the names name (``"moe_backend"``, ``"persistent backend"``, ...), used in messages.
         base: when given, :meth:`register` accepts only subclasses of it.
-        modules: modules that register implementations when imported, imported (in this order) on the
-            first lookup, so that importing the registry stays cheap and the built-in order is fixed.
+        modules: modules that register implementations when imported, imported on the first lookup (so that
+            importing the registry stays cheap). Their entries come first, in this order of modules,
+            whatever order they were imported in; other entries follow in registration order.
 
     Lookups of a name that is not registered raise ``KeyError`` (callers with their own error type, e.g.
     :class:`~replicas.kernels.moe.MoEBackendError`, check :meth:`__contains__` first).
@@ -49,6 +50,10 @@ class Registry(Generic[T]):
             for module in self._modules:
                 importlib.import_module(module)
 
+    def _rank(self, entry: T) -> int:
+        module = getattr(entry, "__module__", None)
+        return self._modules.index(module) if module in self._modules else len(self._modules)
+
     def register(self, name: str) -> Callable[[T], T]:
         """A class decorator that registers the class under ``name`` and returns it unchanged (it also
         sets the class's ``name`` attribute to ``name``).
@@ -66,6 +71,8 @@ class Registry(Generic[T]):
             if isinstance(entry, type):
                 entry.name = name
             self._entries[name] = entry
+            # listed modules first, in their order (a stable sort keeps registration order within a rank)
+            self._entries = dict(sorted(self._entries.items(), key=lambda kv: self._rank(kv[1])))
             return entry
 
         return decorator

@@ -56,6 +56,14 @@ def test_registry_registers_in_order_and_refuses_duplicates_and_foreign_classes(
     assert reg.unregister("b") is B and reg.names() == ("a",)
 
 
+def test_the_listed_modules_entries_come_first_in_their_order_whatever_the_import_order():
+    reg = Registry("thing", modules=("json", "os"))  # two importable modules stand in for backend files
+    x, in_os, in_json = (type(n, (), {"__module__": m}) for n, m in (("X", "tests"), ("B", "os"), ("A", "json")))
+    for name, entry in (("x", x), ("b", in_os), ("a", in_json)):
+        reg.register(name)(entry)
+    assert reg.names() == ("a", "b", "x")
+
+
 def test_builtin_names_and_order_are_unchanged():
     assert MOE_BACKENDS == MOE_REGISTRY.names() == (
         "hopper_bulk", "triton_tc", "triton_fp32", "triton_portable", "reference")
