@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 # On our CPU dev/CI machines `torch==2.13.0` is a local CPU build; elsewhere it is PyPI's build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-test install-lmeval serve test test-stress test-cluster test-chaos test-lmeval test-gpu lint
+.PHONY: install install-test install-lmeval serve test test-unit test-kernels test-engine test-serve test-stress test-cluster test-chaos test-lmeval test-gpu lint
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
@@ -21,8 +21,36 @@ install-lmeval: install-test
 serve: install
 	serve run deployments.app:app
 
+# `make test` = the four stages below, cheapest first, stopping at the first that fails. Together they run
+# exactly what a bare `python -m pytest -q` runs (pyproject's default filter), no test twice.
+LONG := not stress and not cluster and not lmeval and not chaos
+KERNEL_TESTS := tests/replicas/kernels
+# Each stage alone installs the test extras first; `make test` installs them once.
+STAGE_DEPS ?= install-test
+
 test: install-test
-	$(PYTHON) -m pytest -q
+	$(MAKE) --no-print-directory test-unit STAGE_DEPS=
+	$(MAKE) --no-print-directory test-kernels STAGE_DEPS=
+	$(MAKE) --no-print-directory test-engine STAGE_DEPS=
+	$(MAKE) --no-print-directory test-serve STAGE_DEPS=
+
+# No Ray, no Triton interpreter, no SmolLM2 load: everything but the kernel tests and the `ray`- and
+# `engine`-marked tests (`engine`: set by tests/conftest.py on tests using the real engine's fixtures).
+test-unit: $(STAGE_DEPS)
+	$(PYTHON) -m pytest -q -m "not ray and not engine and $(LONG)" --ignore=$(KERNEL_TESTS)
+
+# The kernel tests: on a machine without a GPU under Triton's CPU interpreter (tests/replicas/kernels/conftest.py).
+test-kernels: $(STAGE_DEPS)
+	$(PYTHON) -m pytest -q $(KERNEL_TESTS)
+
+# The real SmolLM2 engine on the CPU (both lanes, against transformers' reference), no Ray.
+test-engine: $(STAGE_DEPS)
+	$(PYTHON) -m pytest -q -m "engine and not ray and $(LONG)" --ignore=$(KERNEL_TESTS)
+
+# The Ray apps: a real local Ray cluster serving the real app over HTTP (tests/deployments/conftest.py).
+# (A `ray` test under tests/replicas/kernels, if one is ever added, runs in test-kernels.)
+test-serve: $(STAGE_DEPS)
+	$(PYTHON) -m pytest -q -m "ray and $(LONG)" --ignore=$(KERNEL_TESTS)
 
 # Longer stages, each in its own pytest run (own Ray cluster): `-m` overrides the default filter.
 test-stress: install-test

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     from types import SimpleNamespace
 
     from replicas.kernels.moe import MoE, resolve_moe
-    from replicas.kernels.moe.triton_tc import mxfp4_activations
+    from replicas.kernels.moe.mma_format import mxfp4_activations
 
     experts = SimpleNamespace(gate_up_proj_blocks=gu_b, gate_up_proj_scales=gu_s, gate_up_proj_bias=gu_bias,
                               down_proj_blocks=dn_b, down_proj_scales=dn_s, down_proj_bias=dn_bias,

@@ -29,6 +29,7 @@ from deployments.config import AppConfig
 from deployments.security import RequestLimits, SecurityConfig
 from ops.telemetry.tracing import TracingConfig
 from replicas.config import EngineConfig
+from replicas.registry import OneOf
 
 SKIPPED = ("engine", "tracing", "security", "limits", "persistent_fault_injection")
 """App config fields that are not flags: the nested groups (their fields are flags themselves) and the
@@ -83,8 +84,11 @@ def _add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], prefix:
         dest = prefix + name
         kwargs: dict = {"dest": dest, "help": _help(field), "default": None}
         ann = _unwrap(field.annotation)
+        one_of = next((m for m in field.metadata if isinstance(m, OneOf)), None)
         if typing.get_args(ann)[:1] == (SecretStr,):  # API keys: --api-key K1 K2 (repeatable)
             kwargs.update(nargs="+", action="extend", metavar="KEY", type=str)
+        elif one_of is not None:  # a registry's names (MoE backends, persistent backends)
+            kwargs["choices"] = list(one_of.choices())
         elif typing.get_origin(ann) is typing.Literal:
             kwargs["choices"] = list(typing.get_args(ann))
         elif isinstance(ann, type) and issubclass(ann, enum.Enum):

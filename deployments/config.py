@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import types
 import typing
-from typing import Literal
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -18,9 +18,10 @@ from deployments.security import RequestLimits, SecurityConfig
 from ops.telemetry.tracing import TracingConfig
 from policy import Mode
 from replicas.config import EngineConfig
-from replicas.persistent import BACKENDS
 from replicas.persistent.checkpoint import CheckpointError, check_checkpoint_dir
+from replicas.persistent.contract import PERSISTENT_BACKENDS
 from replicas.persistent.faults import FaultInjection
+from replicas.registry import OneOf
 
 
 class AppConfig(BaseModel):
@@ -37,7 +38,7 @@ class AppConfig(BaseModel):
     persistent_decoder_checkpoint: str | None = Field(
         None, description="Directory of the persistent-decoder checkpoint (manifest + safetensors)."
     )
-    persistent_backend: Literal[BACKENDS] = Field(
+    persistent_backend: Annotated[str, OneOf(PERSISTENT_BACKENDS, fixed=("auto",))] = Field(
         "auto",
         description="Persistent backend: eager (reference, any device); cuda_graph (NVIDIA: quanta as CUDA "
         "graphs); mk1 (AMD aiter MK1 on MI355X, "

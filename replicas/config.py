@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from replicas.kernels.moe import MOE_BACKENDS
+from replicas.kernels.moe.backends import MOE_REGISTRY
 from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.models.loader import DEFAULT_MODEL
+from replicas.registry import OneOf
 
-MoEBackendName = Literal[("auto", *MOE_BACKENDS)]
-"""``auto`` or a decode MoE backend of :data:`replicas.kernels.moe.MOE_BACKENDS` (the one registry)."""
+MoEBackendName = Annotated[str, OneOf(MOE_REGISTRY, fixed=("auto",))]
+"""``auto`` or a registered decode MoE backend (:data:`replicas.kernels.moe.backends.MOE_REGISTRY`, the one
+registry; checked when the config is validated, so the choices are the registry's at that time)."""
 
 
 class EngineConfig(BaseModel):

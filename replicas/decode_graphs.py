@@ -47,7 +47,7 @@ class DecodeGraphs:
         self.model = model
         self.kv_planes = kv_planes
         self.device = torch.device(device)
-        limit = getattr(model, "max_decode_graph_batch", None)  # e.g. GPT-OSS: its MoE kernels' batch limit
+        limit = model.max_decode_graph_batch  # e.g. GPT-OSS: its MoE kernels' batch limit (None: none)
         self.batch_sizes = tuple(sorted(b for b in batch_sizes if limit is None or b <= limit))
         self.max_blocks = -(-max_model_len // PAGE_SIZE)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}

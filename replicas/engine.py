@@ -110,16 +110,14 @@ class EngineCore:
             allocator=PageAllocator(kv.num_blocks, enable_prefix_caching=enable_prefix_caching),
             runner=ModelRunner(model, kv.planes(), device, graphs=decode_graphs(config, model, kv, device),
                                inputs=step_inputs(config, device),
-                               kernels=bool(getattr(getattr(model, "ops", None), "prefill_kernels", False)),
-                               batch_invariant=bool(getattr(getattr(model, "ops", None), "batch_invariant", False))),
+                               kernels=model.ops.prefill_kernels, batch_invariant=model.ops.batch_invariant),
             eos_token_ids=eos_token_ids,
         )
 
     def describe_kernels(self) -> dict:
         """What runs the model here, resolved at load (``/debug/stats``, span attributes): the decode ops'
         kernels and MoE backend, and whether the standard lane replays decode graphs."""
-        ops = getattr(self.model, "ops", None)
-        out = ops.describe() if ops is not None else {}
+        out = self.model.ops.describe()
         out["decode_graphs"] = list(self.runner.graphs.batch_sizes) if self.runner.graphs is not None else []
         return out
 
@@ -353,9 +351,8 @@ class LLMEngine:
         pool = alloc.num_blocks * PAGE_SIZE // 2
         longest = max(1, min(cfg.max_model_len - new_tokens, pool))  # one prompt
         step = max(1, min(sched.max_num_batched_tokens, pool, sched.max_num_seqs * longest))  # one step's
-        model_lengths = getattr(self.core.model, "warm_up_prompt_lengths", None)
-        if model_lengths is not None:  # the token counts that reach each of the model's kernel variants
-            lengths = (*lengths, *model_lengths(step))
+        # the token counts that reach each of the model's kernel variants (none for most models)
+        lengths = (*lengths, *self.core.model.warm_up_prompt_lengths(step))
         rounds = []
         for n in dict.fromkeys(min(n, step) for n in lengths):  # capped, duplicates once
             k = -(-n // longest)  # prompts sharing the step (at most max_num_seqs: step caps n)
@@ -394,7 +391,7 @@ class LLMEngine:
 def decode_graphs(config: EngineConfig, model, kv, device):
     """The standard lane's per-bucket decode CUDA graphs for this engine, or None (CPU, ``enforce_eager``,
     or a model without a static decode step). Buckets above ``max_num_seqs`` are not kept."""
-    if torch.device(device).type != "cuda" or config.enforce_eager or not hasattr(model, "decode_static"):
+    if torch.device(device).type != "cuda" or config.enforce_eager or not model.has_static_decode:
         return None
     from replicas.decode_graphs import DecodeGraphs
 

@@ -250,7 +250,7 @@ class DecodeOps:
         """``(x + delta, norm(x + delta))`` for ``[T, hidden]`` rows (``delta`` may also be fp32 partials
         ``[T, P, hidden]``, summed in order); ``norm`` has ``weight`` and ``eps``. With ``mxfp4_out``, a third
         result: the normed rows in the tensor-core MoE kernels' activation format
-        (:func:`~replicas.kernels.moe.triton_tc.mxfp4_activations`). One Triton launch on a GPU
+        (:func:`~replicas.kernels.moe.mma_format.mxfp4_activations`). One Triton launch on a GPU
         (:mod:`replicas.kernels.triton_rmsnorm`), :func:`add_rmsnorm_reference` elsewhere."""
         if self.triton:
             from replicas.kernels.triton_rmsnorm import triton_add_rmsnorm
@@ -258,7 +258,7 @@ class DecodeOps:
             return triton_add_rmsnorm(x, delta, norm.weight, norm.eps, weight_in_fp32, mxfp4_out, pdl=self.pdl)
         x, y = add_rmsnorm_reference(x, delta, norm.weight, norm.eps, weight_in_fp32)
         if mxfp4_out:
-            from replicas.kernels.moe.triton_tc import mxfp4_activations
+            from replicas.kernels.moe.mma_format import mxfp4_activations
 
             return x, y, mxfp4_activations(y)
         return x, y

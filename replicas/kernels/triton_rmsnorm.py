@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replicas.kernels.moe.triton_tc import X_SCALE, mma_position
+from replicas.kernels.moe.mma_format import X_SCALE, mma_position
 from replicas.kernels.pdl import pdl_args, pdl_wait
 
 
@@ -53,7 +53,7 @@ def _add_rmsnorm_kernel(x_ptr, delta_ptr, w_ptr, x_out_ptr, y_ptr, ymx_ptr, N, e
         tl.store(x_out_ptr + row * N + offs, x, mask=mask)
     y = rmsnorm_row(x, w, N, eps, WEIGHT_FP32).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * N + offs, y, mask=mask)
-    if MXFP4_OUT:  # y again in the tensor-core MoE kernels' activation format (triton_tc.mxfp4_activations)
+    if MXFP4_OUT:  # y again in the tensor-core MoE kernels' activation format (mma_format.mxfp4_activations)
         tl.store(ymx_ptr + row * N + mma_position(offs), (y.to(tl.float32) * X_SCALE).to(tl.bfloat16), mask=mask)
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from replicas.kernels.grid_sync import arrive, gpu_fence
-from replicas.kernels.moe.triton_tc import X_SCALE, mma_position
+from replicas.kernels.moe.mma_format import X_SCALE, mma_position
 from replicas.kernels.pdl import pdl_args, pdl_wait
 from replicas.kernels.triton_rmsnorm import rmsnorm_row
 
@@ -132,7 +132,7 @@ def triton_add_rmsnorm_route(residual: torch.Tensor, delta: torch.Tensor, norm_w
         norm_weight: ``[hidden]``; eps: the norm's epsilon.
         router_weight: ``[E, hidden]`` contiguous; router_bias: ``[E]``; k: experts per token.
         mxfp4_out: also return ``h`` in the tensor-core MoE kernels' activation format
-            (:func:`~replicas.kernels.moe.triton_tc.mxfp4_activations`).
+            (:func:`~replicas.kernels.moe.mma_format.mxfp4_activations`).
         workspace: dict reused across calls for the logits and the arrival counter (keeps a captured graph's
             buffers fixed; the counter is back at 0 after every launch). One decode stream per workspace.
         block_n, num_warps: experts per program (``cdiv(E, block_n)`` programs) and warps per program.

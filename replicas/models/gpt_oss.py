@@ -39,6 +39,7 @@ from replicas.kernels.paged_attention import (
     write_kv,
 )
 from replicas.kernels.reference import apply_rope_half
+from replicas.models.base import MODELS, CausalLM
 from replicas.models.gpt_oss_config import GptOssConfig, YarnScaling
 from replicas.models.layers import RMSNorm
 from replicas.models.loader import load_safetensors
@@ -245,7 +246,8 @@ class GptOssBackbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_in_fp32=True)
 
 
-class GptOssForCausalLM(nn.Module):
+@MODELS.register("gpt_oss")
+class GptOssForCausalLM(CausalLM):
     """GPT-OSS decoder with an LM head, running over a paged KV cache.
 
     ``forward(input_ids [T] int64, meta, kv_planes) -> logits [B, vocab]`` (fp32)
@@ -320,6 +322,9 @@ class GptOssForCausalLM(nn.Module):
 
     uses_moe = True
     """The model has experts: its :class:`DecodeOps` are built with a MoE backend."""
+
+    has_static_decode = True
+    """:meth:`decode_static` is the capturable decode step."""
 
     @property
     def max_decode_graph_batch(self) -> int | None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from replicas.kernels.decode_ops import DecodeOps
 from replicas.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from replicas.models.base import MODELS, CausalLM
 from replicas.models.config import ModelConfig
 from replicas.models.layers import RMSNorm
 from replicas.models.loader import load_safetensors
@@ -121,7 +122,8 @@ class LlamaBackbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+@MODELS.register("llama")
+class LlamaForCausalLM(CausalLM):
     """Llama decoder with an LM head, running over a paged KV cache.
 
     ``forward(input_ids [T] int64, meta, kv_planes) -> logits [B, vocab]`` (fp32)
@@ -133,6 +135,9 @@ class LlamaForCausalLM(nn.Module):
 
     uses_moe = False
     """A dense model: its :class:`DecodeOps` have no MoE backend."""
+
+    has_static_decode = True
+    """:meth:`decode_static` is the capturable decode step."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

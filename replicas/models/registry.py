@@ -1,12 +1,10 @@
 """Pick the model class for a checkpoint directory by its ``config.json`` ``model_type``, load it, and
 give it the kernels resolved for this device.
 
-Every model class offers ``from_pretrained(path, dtype, device, progress)``, ``from_config(cfg, dtype,
-device, seed)`` (random weights), ``config_class`` (its config's ``from_dir``), ``uses_moe``,
-``use_ops(ops)``, a ``config`` with at least ``model_type``, ``vocab_size``, ``num_layers``,
-``num_kv_heads``, ``head_dim``, ``max_position_embeddings`` and ``eos_token_ids``,
-``forward(input_ids [T], meta, kv_planes) -> [B, vocab]`` fp32 logits over the paged KV cache, and
-``decode_static(token [B], position [B], block_table, kv_planes) -> [B, vocab]`` (the capturable step).
+Every model class is a :class:`~replicas.models.base.CausalLM` registered in
+:data:`~replicas.models.base.MODELS` by its own file (imported on the registry's first lookup); the
+protocol (methods, config fields, capabilities) is in that class's docstring and is checked once here, at
+load (:func:`~replicas.models.base.check_model`).
 """
 
 from __future__ import annotations
@@ -17,9 +15,13 @@ from pathlib import Path
 import torch
 
 from replicas.kernels.decode_ops import DecodeOps
+from replicas.models.base import MODELS, check_model
 
-MODEL_TYPES = ("llama", "gpt_oss")
-"""The ``config.json`` ``model_type`` values we serve."""
+
+def __getattr__(name: str):
+    if name == "MODEL_TYPES":  # the ``config.json`` ``model_type`` values we serve
+        return MODELS.names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def model_class(path: str | Path):
@@ -33,15 +35,9 @@ def model_class(path: str | Path):
     if not cfg.is_file():
         raise FileNotFoundError(f"{path} is not a model directory: config.json is missing")
     model_type = json.loads(cfg.read_text()).get("model_type", "")
-    if model_type == "llama":
-        from replicas.models.llama import LlamaForCausalLM
-
-        return LlamaForCausalLM
-    if model_type == "gpt_oss":
-        from replicas.models.gpt_oss import GptOssForCausalLM
-
-        return GptOssForCausalLM
-    raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+    if model_type not in MODELS:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODELS.names())}")
+    return MODELS.get(model_type)
 
 
 def model_config(path: str | Path):
@@ -62,6 +58,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
     Raises:
         FileNotFoundError: no ``config.json``.
         ValueError: an unsupported architecture, a mismatched checkpoint, or an unknown ``load_format``.
+        TypeError: the model class does not implement :class:`~replicas.models.base.CausalLM`'s protocol.
         replicas.kernels.moe.MoEBackendError: the MoE backend cannot run on this device.
     """
     cls = model_class(path)
@@ -74,4 +71,4 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
     ops = DecodeOps.build(device, dtype, pdl=pdl, moe_backend=moe_backend if cls.uses_moe else None,
                           moe_repack=moe_repack, moe_tiles=moe_tiles, prefill_kernels=prefill_kernels,
                           batch_invariant=batch_invariant)
-    return model.use_ops(ops)
+    return check_model(model.use_ops(ops))

@@ -16,11 +16,13 @@ from __future__ import annotations
 import abc
 import threading
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.persistent.checkpoint import CheckpointError  # noqa: F401 - re-exported, part of the error family
+from replicas.registry import Registry
 
 
 class PersistentDecoderError(RuntimeError):
@@ -227,6 +229,11 @@ class PersistentBackend(abc.ABC):
     Life cycle: construct (may raise :class:`UnsupportedConfigurationError`,
     :class:`CheckpointError`, :class:`NativeBinaryError`) → :meth:`bind_cache`
     → :meth:`run_quantum` per quantum.
+
+    A backend registers itself in its own file with ``@PERSISTENT_BACKENDS.register(name)``; the app config's
+    ``persistent_backend`` choices, the CLI's and :func:`~replicas.persistent.factory.create_backend` read the
+    registry. Its capabilities are class attributes, read before it is built (the replica makes its page
+    allocator with or without a prefix cache from :attr:`takes_cached_pages` before the backend exists).
     """
 
     name: str = "abstract"
@@ -236,6 +243,24 @@ class PersistentBackend(abc.ABC):
     """True when a request may start from KV pages an earlier request computed (the lane's prefix cache:
     the first pages of ``full_block_map`` are then shared, read-only pages); False keeps prefix caching off
     for the lane (MK1's envelope requires it off)."""
+    auto_rank: ClassVar[int | None] = None
+    """Where ``persistent_backend=auto`` tries this backend (lowest first, the first whose :meth:`why_not` is
+    None); None: only when asked for by name."""
+
+    @classmethod
+    def why_not(cls, device: torch.device, model) -> str | None:
+        """Why ``auto`` does not pick this backend for ``model`` on ``device`` (None: it may). A backend named
+        explicitly is built anyway: its constructor raises if it cannot run."""
+        return None
+
+    @classmethod
+    def for_core(cls, core, checkpoint: str | None = None) -> PersistentBackend:
+        """Build (not yet bound) this backend for a replica's :class:`~replicas.engine.EngineCore`.
+
+        Raises:
+            UnsupportedConfigurationError, CheckpointError, NativeBinaryError: as the backend's constructor.
+        """
+        raise NotImplementedError
 
     @abc.abstractmethod
     def bind_cache(self, binding: CacheBinding) -> None:
@@ -249,6 +274,13 @@ class PersistentBackend(abc.ABC):
             PrelaunchError: rejected before launch (cache untouched).
             BackendLaunchError: failed after launch (cache may have changed).
         """
+
+
+PERSISTENT_BACKENDS: Registry[type[PersistentBackend]] = Registry(
+    "persistent backend", PersistentBackend,
+    modules=("replicas.persistent.eager", "replicas.persistent.cuda_graph", "replicas.persistent.mk1"))
+"""The persistent backends by name, in registration order: each module listed registers its backend when
+imported (on the registry's first lookup); a new backend is its own file plus its module here."""
 
 
 class PipelinedBackend(PersistentBackend):

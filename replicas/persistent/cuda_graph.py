@@ -25,7 +25,9 @@ import torch
 from policy import MAX_QUANTUM_TOKENS
 from replicas.graph_capture import capture_graphs
 from replicas.kernels.paged_attention import PAGE_SIZE
+from replicas.persistent.checkpoint import check_checkpoint_dir
 from replicas.persistent.contract import (
+    PERSISTENT_BACKENDS,
     BackendLaunchError,
     CacheBinding,
     PipelinedBackend,
@@ -118,6 +120,7 @@ def greedy_step_reference(logits: torch.Tensor, state: torch.Tensor, out: torch.
     position.add_(1)
 
 
+@PERSISTENT_BACKENDS.register("cuda_graph")
 class CudaGraphBackend(PipelinedBackend):
     """Greedy quanta replayed from CUDA graphs over the bound KV cache, pipelined (see
     :class:`~replicas.persistent.contract.PipelinedBackend`).
@@ -145,10 +148,32 @@ class CudaGraphBackend(PipelinedBackend):
 
     name = "cuda_graph"
     checks_stop_set_on_device = True
+    auto_rank = 0
+
+    @classmethod
+    def why_not(cls, device, model) -> str | None:
+        if torch.device(device).type != "cuda":
+            return "needs a CUDA device"
+        if not model.has_static_decode:
+            return f"{type(model).__name__} has no static decode step"
+        return None
+
+    @classmethod
+    def for_core(cls, core, checkpoint: str | None = None) -> CudaGraphBackend:
+        """The lane's graphs for ``core``'s model and device (``fused_greedy_epilogue`` from its config); a
+        checkpoint, when given, must pass :func:`~replicas.persistent.checkpoint.check_checkpoint_dir`.
+
+        Raises:
+            CheckpointError: bad checkpoint directory.
+            UnsupportedConfigurationError: the model has no static decode step."""
+        if checkpoint:
+            check_checkpoint_dir(checkpoint)
+        return cls(core.model, core.runner.device, core.config.max_model_len,
+                   fused_epilogue=core.config.fused_greedy_epilogue)
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str, max_model_len: int,
                  use_graphs: bool | None = None, fused_epilogue: bool = True):
-        if not hasattr(model, "decode_static"):
+        if not model.has_static_decode:
             raise UnsupportedConfigurationError(f"{type(model).__name__} has no static decode step for CUDA graphs")
         self.model = model
         self.device = torch.device(device)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from replicas.kernels.paged_attention import PAGE_SIZE, AttentionMetadata
+from replicas.persistent.checkpoint import check_checkpoint_dir
 from replicas.persistent.contract import (
+    PERSISTENT_BACKENDS,
     BackendLaunchError,
     CacheBinding,
     PersistentBackend,
@@ -20,6 +22,7 @@ from replicas.persistent.contract import (
 )
 
 
+@PERSISTENT_BACKENDS.register("eager")
 class EagerBackend(PersistentBackend):
     """Step-by-step greedy decode over the bound cache.
 
@@ -30,6 +33,19 @@ class EagerBackend(PersistentBackend):
 
     name = "eager"
     checks_stop_set_on_device = True
+    auto_rank = 1  # after cuda_graph: any device, any model
+
+    @classmethod
+    def for_core(cls, core, checkpoint: str | None = None) -> EagerBackend:
+        """Decodes with the engine's own weights; a checkpoint, when given, must pass
+        :func:`~replicas.persistent.checkpoint.check_checkpoint_dir` (loading persistent weights from it comes
+        with the GPT-OSS checkpoint work).
+
+        Raises:
+            CheckpointError: bad checkpoint directory."""
+        if checkpoint:
+            check_checkpoint_dir(checkpoint)
+        return cls(core.model, core.runner.device)
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str):
         self.model = model

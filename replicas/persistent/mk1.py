@@ -50,6 +50,7 @@ import torch
 from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.persistent.checkpoint import CheckpointError, check_checkpoint_dir
 from replicas.persistent.contract import (
+    PERSISTENT_BACKENDS,
     BackendLaunchError,
     CacheBinding,
     InvalidQuantumResultError,
@@ -322,6 +323,7 @@ class _NativeErrors:
     construction: dict[type[BaseException], type[Exception]] = field(default_factory=dict)
 
 
+@PERSISTENT_BACKENDS.register("mk1")
 class MK1Backend(PersistentBackend):
     """The persistent contract over ``aiter.MK1`` (gfx950, GPT-OSS-120B, bf16 KV, batch 1).
 

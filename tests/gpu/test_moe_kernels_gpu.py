@@ -188,8 +188,9 @@ def test_mma_ptx_mxfp4_moe_at_120b_dims(tokens):
     """The inline-PTX ``mma.sync`` kernels: every E2M1 code (bf16 subnormals included) and every lane's role in
     the MMA fragments, against the same arithmetic in fp32 (1e-4: only the summation order differs), against
     their plain-Triton path, and within bf16 tolerance of the all-fp32 reference."""
+    from replicas.kernels.moe.mma_format import mxfp4_activations
     from replicas.kernels.moe.reference import moe_reference
-    from replicas.kernels.moe.triton_tc import mxfp4_activations, triton_moe_tc
+    from replicas.kernels.moe.triton_tc import triton_moe_tc
 
     x, w, ids, experts, args, same_math, scale = _bf16_case(tokens, tokens + 40, 6)
     plain = triton_moe_tc(*args, ptx=False, x_mxfp4=mxfp4_activations(x))
@@ -220,7 +221,7 @@ def test_decode_moe_glue_matches_exact_gemv(backend):
     (Triton or CUDA-source) agrees with the exact fp32 SIMT kernels within bf16 tolerance."""
     from types import SimpleNamespace
 
-    from replicas.kernels.moe.triton_tc import mxfp4_activations
+    from replicas.kernels.moe.mma_format import mxfp4_activations
 
     experts = Experts(torch.bfloat16, seed=50)
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -261,8 +262,8 @@ def test_bulk_copy_mxfp4_moe_at_120b_dims(tokens):
     within summation order) for every tile they take, and bf16 tolerance of the all-fp32 reference."""
     from replicas.kernels.moe.decode_layout import repack_
     from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
+    from replicas.kernels.moe.mma_format import mxfp4_activations
     from replicas.kernels.moe.reference import moe_reference
-    from replicas.kernels.moe.triton_tc import mxfp4_activations
 
     x, w, ids, experts, args, same_math, scale = _bf16_case(tokens, tokens + 60, 8)
     ref = moe_reference(x.float(), w.float(), ids, experts.as_fp32())

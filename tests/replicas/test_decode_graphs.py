@@ -85,7 +85,7 @@ def test_a_model_limits_its_graph_buckets():
     from replicas.engine import decode_graphs
     from replicas.models.gpt_oss import GptOssForCausalLM
 
-    limited = type("M", (), {"max_decode_graph_batch": 16, "decode_static": None})()
+    limited = type("M", (), {"max_decode_graph_batch": 16, "has_static_decode": True})()
     assert DecodeGraphs(limited, [], torch.device("cuda"), 64, batch_sizes=(1, 8, 16, 32)).batch_sizes == (1, 8, 16)
     from replicas.kernels.decode_ops import DecodeOps
     from replicas.kernels.moe import DECODE_MAX_TOKENS, MoE, MoEChoice
@@ -98,7 +98,7 @@ def test_a_model_limits_its_graph_buckets():
     assert model.max_decode_graph_batch is None
     gpt = type("M", (), {"max_decode_graph_batch": None, "decode_static": None})()
     assert DecodeGraphs(gpt, [], torch.device("cuda"), 64).batch_sizes[-1] == 256
-    off = type("M", (), {"max_decode_graph_batch": 0, "decode_static": None})()
+    off = type("M", (), {"max_decode_graph_batch": 0, "has_static_decode": True})()
     kv = type("KV", (), {"planes": lambda self: []})()
     assert decode_graphs(EngineConfig(), off, kv, torch.device("cuda")) is None
     assert decode_graphs(EngineConfig(), limited, kv, torch.device("cuda")) is not None

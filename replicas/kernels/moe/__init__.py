@@ -27,10 +27,14 @@ large standard-lane batches) take the prefill path, also chosen once (:attr:`MoE
   one Triton launch per matrix (:mod:`.prefill_dequantize`), then dense GEMMs;
 - ``reference`` (CPU): the same in torch (:func:`.reference.moe_reference`).
 
-Shared formats: the MXFP4 weight format (:mod:`.mxfp4`), the repacked decode layout that ``hopper_bulk``
-reads (:mod:`.decode_layout`; experts are repacked in place at load when ``moe_repack`` holds and that
-backend runs), and the tensor-core activation format of ``hopper_bulk`` and ``triton_tc``
-(:func:`.triton_tc.mxfp4_activations`). ``docs/kernels.md`` has the catalog.
+Each decode backend is a class registered in :mod:`.backends` (:data:`MOE_REGISTRY`): its capabilities are
+class attributes and its kernels live in its own file; adding one is that file plus one registration.
+
+Shared formats, so that no backend imports another: the MXFP4 weight format (:mod:`.mxfp4`), the
+repacked decode layout that ``hopper_bulk`` reads (:mod:`.decode_layout`; experts are repacked in place at
+load when ``moe_repack`` holds and that backend runs), the tensor-core activation format and E2M1-decoding
+PTX of ``hopper_bulk`` and ``triton_tc`` (:mod:`.mma_format`), and the Triton E2M1 decoding of
+``triton_fp32`` and the prefill dequantization (:mod:`.e2m1`). ``docs/kernels.md`` has the catalog.
 """
 
 from __future__ import annotations
@@ -40,26 +44,29 @@ from dataclasses import dataclass, field
 
 import torch
 
+from replicas.kernels.moe.backends import (
+    MOE_REGISTRY,
+    MoEBackend,
+    MoEBackendError,
+    triton_importable,
+)
 from replicas.kernels.moe.reference import moe_reference
 
-MOE_BACKENDS = ("hopper_bulk", "triton_tc", "triton_fp32", "triton_portable", "reference")
-"""Decode backends, in the order ``auto`` tries them (the engine config's ``moe_backend`` choices)."""
+__all__ = ["DECODE_MAX_TOKENS", "MOE_BACKENDS", "MOE_REGISTRY", "TILE_KEYS", "MoE", "MoEBackend", "MoEBackendError",
+           "MoEChoice", "moe_reference", "resolve_moe"]
+
+MOE_BACKENDS = MOE_REGISTRY.names()
+"""The built-in decode backends' names, in the order ``auto`` tries them (a snapshot taken at import;
+:data:`~.backends.MOE_REGISTRY`, the registry of :class:`~.backends.MoEBackend` classes, is the live list
+that ``resolve_moe``, the engine config's ``moe_backend`` choices and the CLI's read)."""
 
 DECODE_MAX_TOKENS = 16
 """Most tokens per call of a decode backend: above it, dequantize-then-GEMM beats re-reading the packed
 experts per (token, expert) pair, and the standard lane's decode graphs stop there for GPT-OSS."""
 
-TILE_KEYS = {
-    "hopper_bulk": ("num_warps", "down_num_warps", "pairs", "down_pairs", "stages", "blocks_per_sm"),
-    "triton_tc": ("num_warps", "down_num_warps", "depth", "down_depth", "pairs", "down_pairs"),
-    "triton_fp32": ("block_j", "block_r", "blocks_per_step", "num_warps"),
-    "triton_portable": ("block_j", "block_r", "groups_per_tile"),
-    "reference": (),
-}
-"""Tile arguments each backend's kernels take (``moe_tiles`` may set them; the defaults are the kernels')."""
-
-PARTIALS_BACKENDS = ("hopper_bulk", "triton_tc", "triton_fp32")
-"""Backends that return per-expert fp32 partials ``[T, K, hidden]``, summed in order by the next add+RMSNorm."""
+TILE_KEYS = {name: cls.tile_keys for name, cls in MOE_REGISTRY.items()}
+"""Tile arguments each built-in backend's kernels take (``moe_tiles`` may set them; the defaults are the
+kernels'): a snapshot of :attr:`.backends.MoEBackend.tile_keys`."""
 
 ROW_EXACT_BLOCK_M = {"decode": 16, "prefill": 64}
 """The grouped GEMMs' M-block height per row family when the engine runs row-exact kernels
@@ -67,23 +74,16 @@ ROW_EXACT_BLOCK_M = {"decode": 16, "prefill": 64}
 steps (up to 256 sequences) route about 2 to 8 pairs per expert (16 wastes least); prompts of 128 to 8,192
 tokens 4 to 256 (``docs/exactness.md``)."""
 
-MXFP4_ACTIVATION_BACKENDS = ("hopper_bulk", "triton_tc")
-"""Backends that read activations in the tensor-core format; the add+RMSNorm before them writes it."""
-
-
-class MoEBackendError(ValueError):
-    """The requested MoE backend (or its tiles) cannot run on this device and dtype; the message says why."""
-
 
 @dataclass(frozen=True)
 class MoEChoice:
     """The MoE kernels one model runs, resolved once at load.
 
     Attributes:
-        backend: the decode backend (one of :data:`MOE_BACKENDS`).
+        backend: the decode backend (a name in :data:`MOE_REGISTRY`).
         prefill: ``grouped_gemm``, ``prefill_dequantize`` (GPU) or ``reference`` (CPU): see the module doc.
         repack: whether the experts are repacked into :mod:`.decode_layout` at load (``hopper_bulk`` only).
-        tiles: tile arguments passed to the decode kernels (keys of :data:`TILE_KEYS`).
+        tiles: tile arguments passed to the decode kernels (its :attr:`~.backends.MoEBackend.tile_keys`).
         reason: why this backend (``auto`` resolution or the config's request).
     """
 
@@ -99,53 +99,16 @@ class MoEChoice:
                 "moe_tiles": dict(self.tiles), "moe_reason": self.reason}
 
 
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _why_not(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why ``name`` cannot run for a ``dtype`` model on ``device`` (None: it can)."""
-    if name == "reference":
-        return None
-    if device.type != "cuda":
-        return "needs a GPU"
-    if not _triton_importable():
-        return "needs Triton"
-    hip = bool(torch.version.hip)
-    if name == "triton_portable":
-        return None
-    if hip:
-        return "needs an NVIDIA GPU (inline PTX)"
-    if name == "triton_fp32":
-        return None if dtype == torch.float32 else "is for fp32 models"
-    if dtype == torch.float32:
-        return "rounds activations to bf16; fp32 models use triton_fp32"
-    if name == "triton_tc":
-        return None
-    # hopper_bulk
-    if dtype != torch.bfloat16:
-        return "needs a bf16 model"
-    from replicas.kernels.moe import hopper_bulk
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if not hopper_bulk.available(index):
-        return "needs compute capability 9.0+ and torch's NVRTC"
-    return None
-
-
 def resolve_moe(requested: str, device: torch.device, dtype: torch.dtype, repack: bool = True,
                 tiles: dict[str, int] | None = None, prefill_kernels: bool = True) -> MoEChoice:
     """The MoE kernels for a ``dtype`` model on ``device``.
 
     Args:
-        requested: ``auto`` or one of :data:`MOE_BACKENDS`.
-        repack: repack the experts for ``hopper_bulk`` at load (ignored by the other backends).
+        requested: ``auto`` or a name in :data:`MOE_REGISTRY`.
+        repack: repack the experts at load for a backend that reads the decode layout (``hopper_bulk``;
+            :attr:`~.backends.MoEBackend.repacks_experts`), ignored by the others.
         tiles: tile arguments for the decode kernels; every key must be one of the backend's
-            :data:`TILE_KEYS`.
+            :attr:`~.backends.MoEBackend.tile_keys`.
         prefill_kernels: on a GPU, the grouped GEMMs serve more than :data:`DECODE_MAX_TOKENS` tokens
             (else the per-expert dequantization).
 
@@ -154,23 +117,25 @@ def resolve_moe(requested: str, device: torch.device, dtype: torch.dtype, repack
     """
     device = torch.device(device)
     if requested == "auto":
-        name, reason = next((n, "auto") for n in MOE_BACKENDS if _why_not(n, device, dtype) is None)
-    elif requested in MOE_BACKENDS:
-        why = _why_not(requested, device, dtype)
+        name, reason = next((n, "auto") for n, cls in MOE_REGISTRY.items() if cls.why_not(device, dtype) is None)
+    elif requested in MOE_REGISTRY:
+        why = MOE_REGISTRY.get(requested).why_not(device, dtype)
         if why is not None:
             raise MoEBackendError(f"moe_backend={requested} {why} (device {device}, dtype "
                                   f"{str(dtype).removeprefix('torch.')}); use moe_backend=auto")
         name, reason = requested, "config"
     else:
-        raise MoEBackendError(f"unknown moe_backend {requested!r}; choose auto or one of {', '.join(MOE_BACKENDS)}")
+        raise MoEBackendError(f"unknown moe_backend {requested!r}; choose auto or one of "
+                              f"{', '.join(MOE_REGISTRY.names())}")
+    backend = MOE_REGISTRY.get(name)
     tiles = dict(tiles or {})
-    unknown = sorted(set(tiles) - set(TILE_KEYS[name]))
+    unknown = sorted(set(tiles) - set(backend.tile_keys))
     if unknown:
         raise MoEBackendError(f"moe_tiles {unknown} are not tiles of {name} (its tiles: "
-                              f"{', '.join(TILE_KEYS[name]) or 'none'})")
-    gpu = device.type == "cuda" and _triton_importable()
+                              f"{', '.join(backend.tile_keys) or 'none'})")
+    gpu = device.type == "cuda" and triton_importable()
     prefill = ("grouped_gemm" if prefill_kernels else "prefill_dequantize") if gpu else "reference"
-    return MoEChoice(name, prefill, repack and name == "hopper_bulk", tiles, reason)
+    return MoEChoice(name, prefill, repack and backend.repacks_experts, tiles, reason)
 
 
 def _packed(experts) -> tuple:
@@ -179,7 +144,8 @@ def _packed(experts) -> tuple:
 
 
 class MoE:
-    """Runs one :class:`MoEChoice`: the decode kernel (loaded once) and the prefill path.
+    """Runs one :class:`MoEChoice`: the decode kernel (loaded once, :meth:`.backends.MoEBackend.load`) and the
+    prefill path.
 
     ``experts`` arguments are GPT-OSS ``Experts`` modules (packed ``*_blocks``/``*_scales`` uint8, biases
     ``[E, 2I]``/``[E, hidden]``, ``alpha``, ``limit``; ``decode_layout`` True once repacked).
@@ -192,7 +158,7 @@ class MoE:
 
     def __init__(self, choice: MoEChoice, pdl: bool = False):
         self.choice = choice
-        self._decode = self._load_decode(choice, pdl)
+        self._decode = self.backend.load(dict(choice.tiles), repack=choice.repack, pdl=pdl)
         self._dequantize = self._grouped = self._grouped_partials = None
         if choice.prefill in ("prefill_dequantize", "grouped_gemm"):  # the dequantizing path stays the fallback
             from replicas.kernels.moe.prefill_dequantize import triton_dequantize_mxfp4
@@ -203,26 +169,10 @@ class MoE:
 
             self._grouped, self._grouped_partials = experts_moe, experts_partials
 
-    @staticmethod
-    def _load_decode(choice: MoEChoice, pdl: bool):
-        tiles = dict(choice.tiles)
-        if choice.backend == "hopper_bulk":
-            from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
-
-            return functools.partial(cuda_moe_bulk, repacked=choice.repack, pdl=pdl, **tiles)
-        if choice.backend == "triton_tc":
-            from replicas.kernels.moe.triton_tc import triton_moe_tc
-
-            return functools.partial(triton_moe_tc, pdl=pdl, **tiles)
-        if choice.backend == "triton_fp32":
-            from replicas.kernels.moe.triton_fp32 import triton_moe_gemv
-
-            return functools.partial(triton_moe_gemv, **tiles)
-        if choice.backend == "triton_portable":
-            from replicas.kernels.moe.triton_portable import triton_moe
-
-            return functools.partial(triton_moe, **tiles)
-        return None
+    @property
+    def backend(self) -> type[MoEBackend]:
+        """The registered class of :attr:`MoEChoice.backend` (its capabilities)."""
+        return MOE_REGISTRY.get(self.choice.backend)
 
     @property
     def capturable_at_any_batch(self) -> bool:
@@ -234,7 +184,7 @@ class MoE:
     def takes_mxfp4_activations(self) -> bool:
         """Whether the decode kernel reads activations in the tensor-core format (the add+RMSNorm before
         it then writes them too, saving a conversion per layer)."""
-        return self.choice.backend in MXFP4_ACTIVATION_BACKENDS
+        return self.backend.takes_mxfp4_activations
 
     def prepare(self, experts) -> bool:
         """Repack ``experts``' blocks in place for ``hopper_bulk`` when the choice says so, and tag the module;
@@ -263,7 +213,7 @@ class MoE:
         :attr:`takes_mxfp4_activations` and the caller has it (decode sizes only)."""
         if x.shape[0] > DECODE_MAX_TOKENS:
             return self._grouped_partials(x, weights, ids, experts) if self._grouped_partials else None
-        if self.choice.backend not in PARTIALS_BACKENDS:
+        if not self.backend.returns_partials:
             return None
         extra = {"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}
         return self._decode(x, weights, ids, *_packed(experts), **extra)
@@ -293,7 +243,7 @@ class MoE:
             if parts is not None:
                 out = parts.sum(1)
                 return (out if residual is None else residual.float() + out).to(x.dtype)
-            if self.choice.backend == "triton_portable":
+            if self.backend.adds_residual:
                 return self._decode(x, weights, ids, *_packed(experts), residual=residual)
         fast = self._dequantize
         out = moe_reference(x, weights, ids, experts, dequantize=fast,

@@ -1,6 +1,6 @@
 """A bit layout of packed MXFP4 words that the tensor-core decode kernels turn into bf16 pairs cheaply.
 
-The tensor-core MoE kernels (:func:`~replicas.kernels.moe.triton_tc.mma_asm`)
+The tensor-core MoE kernels (:func:`~replicas.kernels.moe.mma_format.mma_asm`)
 decode a 32-bit word of 8 E2M1 codes (code ``j`` in bits ``4j..4j+3``, low
 nibble first, as stored in the checkpoint) as four *code pairs* ``(p, p + 4)``,
 each into one bf16x2 register: magnitude bits ``e1 e0 m`` of the low code on

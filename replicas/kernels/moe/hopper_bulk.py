@@ -10,7 +10,7 @@ registers held) of the block's rows, which are contiguous in the packed layout
 ``[E, rows, G, 16]``, and of their scales and the activation row, into shared
 memory, completing on ``mbarrier`` transaction counts; then every lane runs
 :mod:`~replicas.kernels.moe.triton_tc`'s MMA step (the same PTX,
-:func:`~replicas.kernels.moe.triton_tc.mma_asm`) on shared-memory operands.
+:func:`~replicas.kernels.moe.mma_format.mma_asm`) on shared-memory operands.
 Blocks are persistent: each takes every so-many tile of 16 rows (23 KB at
 gpt-oss-120b's width) and keeps ``stages`` tiles' copies in flight. With the
 loads out of the way the launches are bound by the E2M1 decoding (issue slots
@@ -39,8 +39,8 @@ import warnings
 import torch
 
 from replicas.kernels.cuda_source import CUDA_PRELUDE, CudaKernel
+from replicas.kernels.moe.mma_format import X_SHIFT, mma_asm, mxfp4_activations
 from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, check_packed_moe
-from replicas.kernels.moe.triton_tc import X_SHIFT, mma_asm, mxfp4_activations
 from replicas.kernels.pdl import pdl_args
 
 MAX_PAIRS = 128
@@ -340,7 +340,7 @@ def cuda_moe_bulk(
         down_blocks: uint8 ``[E, hidden, I/32, 16]``, down_scales: uint8 ``[E, hidden, I/32]``,
             down_bias bf16 ``[E, hidden]``.
         alpha, limit: the clamped SwiGLU's constants (GPT-OSS: 1.702, 7.0).
-        x_mxfp4: ``x`` already in the MMA format (:func:`~replicas.kernels.moe.triton_tc.mxfp4_activations`);
+        x_mxfp4: ``x`` already in the MMA format (:func:`~replicas.kernels.moe.mma_format.mxfp4_activations`);
             computed here when None.
         num_warps, pairs: the gate_up launch's warps per block and row pairs per lane (16 rows per pair);
             down_num_warps, down_pairs: the down launch's (``down_pairs`` None: 2 when 32 divides ``hidden``,

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from replicas.kernels.moe import decode_layout as layout
+from replicas.kernels.moe.e2m1 import e2m1_bits
 from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK
-from replicas.kernels.moe.triton_fp32 import e2m1_bits
 
 _PAIR_MASK = tl.constexpr(layout.PAIR_MASK)
 _PAIR3_MASK = tl.constexpr(layout.PAIR3_MASK)

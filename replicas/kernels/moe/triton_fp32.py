@@ -39,47 +39,12 @@ import torch
 import triton
 import triton.language as tl
 
+from replicas.kernels.moe.e2m1 import e2m1_bits
 from replicas.kernels.moe.mxfp4 import check_packed_moe
 
 X_SHIFT = tl.constexpr(64)
 """Activations are multiplied by ``2**X_SHIFT`` before the products (see the module docstring)."""
 X_SCALE = tl.constexpr(float(2 ** X_SHIFT.value))
-
-_E2M1_X4_TO_F32 = tl.constexpr("""
-{
-.reg .b32 t, a, s, p, z;
-mov.b32 z, 0;
-prmt.b32 t, $8, z, 0x4140;
-shl.b32 a, t, 6; and.b32 a, a, 0x01C001C0; shl.b32 s, t, 12; lop3.b32 p, a, s, 0x80008000, 0xF8;
-shl.b32 $0, p, 16; and.b32 $1, p, 0xFFFF0000;
-shl.b32 a, t, 2; and.b32 a, a, 0x01C001C0; shl.b32 s, t, 8; lop3.b32 p, a, s, 0x80008000, 0xF8;
-shl.b32 $4, p, 16; and.b32 $5, p, 0xFFFF0000;
-prmt.b32 t, $8, z, 0x4342;
-shl.b32 a, t, 6; and.b32 a, a, 0x01C001C0; shl.b32 s, t, 12; lop3.b32 p, a, s, 0x80008000, 0xF8;
-shl.b32 $2, p, 16; and.b32 $3, p, 0xFFFF0000;
-shl.b32 a, t, 2; and.b32 a, a, 0x01C001C0; shl.b32 s, t, 8; lop3.b32 p, a, s, 0x80008000, 0xF8;
-shl.b32 $6, p, 16; and.b32 $7, p, 0xFFFF0000;
-}
-""")
-"""Four bytes (``$8``) → their low-nibble values (``$0..$3``) and high-nibble values (``$4..$7``) as fp32
-bit patterns, each the E2M1 value times 2**-126. ``prmt`` spreads bytes 0 and 1 (then 2 and 3) to the low
-bits of the two 16-bit lanes; per nibble, a shift and mask put ``e1 e0 m`` on bits 8..6 of its lane, a
-second shift and ``lop3`` (``a | (s & c)``, LUT 0xF8) its sign on bit 15; the lanes then become fp32 by
-a shift (lane 0) or a mask (lane 1)."""
-
-
-@triton.jit
-def e2m1_bits(b, PTX: tl.constexpr):
-    """uint8 ``[..]`` packed bytes → (low-nibble, high-nibble) fp32 values, each times 2**-126."""
-    if PTX:
-        return tl.inline_asm_elementwise(_E2M1_X4_TO_F32, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b],
-                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-    else:
-        c = b.to(tl.int32)
-        lo = ((c & 7) << 22) | ((c & 8) << 28)
-        hi = ((c & 0x70) << 18) | ((c & 0x80) << 24)
-        return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
-
 
 @triton.jit
 def _load_step(row_ptr, srow_ptr, x_ptr, row_ok, g0, G: tl.constexpr, GB: tl.constexpr):

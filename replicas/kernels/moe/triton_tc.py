@@ -58,73 +58,15 @@ import torch
 import triton
 import triton.language as tl
 
+from replicas.kernels.moe.mma_format import (
+    X_SCALE,
+    X_SHIFT,
+    mma_asm,
+    mma_position,
+    mxfp4_activations,
+)
 from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, check_packed_moe
 from replicas.kernels.pdl import pdl_args, pdl_wait
-
-X_SHIFT = tl.constexpr(64)
-"""The activations are stored times ``2**X_SHIFT`` (exact in bf16: a power of two)."""
-X_SCALE = tl.constexpr(float(2 ** X_SHIFT.value))
-
-
-def mma_asm(ref: str = "$", chains: int = 1, repacked: bool = False) -> str:
-    """PTX for one lane and one step: 8 packed words (``$2..$5`` row a, ``$6..$9`` row b: its 32-value block
-    of each row) and the block's 32 activations as 16 bf16 pairs (``$10..$25``; zeros in lanes that supply no
-    B operand); 16 code pairs decoded per row, 8 MMAs; ``$0`` / ``$1``: the two rows' block partial sums
-    (unscaled). ``ref``: the operand prefix (``$`` for Triton's inline asm, ``%`` for CUDA C++'s).
-    ``chains``: 1 or 2 independent accumulator chains (2 halves the MMAs' dependent latency).
-
-    A code pair ``(p, p + 4)`` of a word (bits ``4p..4p+3`` and ``4p+16..4p+19``; pairs 2 and 3 are read from
-    the word shifted right by 8) is decoded in three instructions: mask its two nibbles; multiply by
-    ``2**a + 2**b``, which places a copy of each nibble so that its magnitude bits land on bf16 bits 8..6 and
-    another so that its sign lands on bit 15 (the copies do not overlap, so the product is their OR); mask
-    those bits. The multiplications (and the shift, a ``mul.hi``) run on the FMA pipe, leaving two ``lop3``
-    per pair on the integer ALU pipe, which issues at half rate on Hopper.
-
-    ``repacked``: the words are in :mod:`replicas.kernels.moe.decode_layout`'s layout (pair 0 one
-    instruction, pairs 1 and 2 two, pair 3 four)."""
-    acc = ["c", "d"][:chains]
-    lines = ["{", ".reg .b32 a<4>, m, t, h<8>;", ".reg .f32 " + ", ".join(f"{c}<4>" for c in acc) + ";"]
-    lines += [f"mov.b32 {c}{i}, 0f00000000;" for c in acc for i in range(4)]
-    if not repacked:
-        lines += [f"mul.hi.u32 h{i}, {ref}{2 + i}, 0x1000000;" for i in range(8)]  # the words shifted right by 8
-    # pair p' of a (shifted) word: nibble mask, multiplier (magnitude shift, sign shift)
-    forms = [(0x000F000F, (1 << 6) + (1 << 12)), (0x00F000F0, (1 << 2) + (1 << 8))]
-
-    def pair(dst, word, p):
-        if repacked:
-            return _repacked_pair(dst, f"{ref}{2 + word}", p)
-        mask, mult = forms[p % 2]
-        src = f"{ref}{2 + word}" if p < 2 else f"h{word}"
-        return [f"and.b32 m, {src}, {mask:#010x};", f"mul.lo.u32 t, m, {mult:#x};", f"and.b32 {dst}, t, 0x81C081C0;"]
-
-    for i in range(8):  # MMA i: word i // 2, pairs (0, 1) or (2, 3) as k-columns (2q, 2q+1) and (2q+8, 2q+9)
-        w, p0 = i // 2, 2 * (i % 2)
-        for reg, word, p in (("a0", w, p0), ("a2", w, p0 + 1), ("a1", 4 + w, p0), ("a3", 4 + w, p0 + 1)):
-            lines += pair(reg, word, p)
-        c = acc[i % chains]
-        lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{c}0, {c}1, {c}2, {c}3}}, "
-                     f"{{a0, a1, a2, a3}}, {{{ref}{10 + 4 * w + p0}, {ref}{10 + 4 * w + p0 + 1}}}, "
-                     f"{{{c}0, {c}1, {c}2, {c}3}};")
-    if chains == 2:
-        lines += ["add.f32 c0, c0, d0;", "add.f32 c2, c2, d2;"]
-    lines += [f"mov.b32 {ref}0, c0;", f"mov.b32 {ref}1, c2;", "}"]
-    return "\n".join(lines)
-
-
-def _repacked_pair(dst: str, word: str, p: int) -> list[str]:
-    """PTX decoding code pair ``p`` of a word in :mod:`replicas.kernels.moe.decode_layout`'s layout into the
-    bf16x2 register ``dst`` (temporaries ``m``, ``t``, ``a<4>`` untouched but ``dst``)."""
-    from replicas.kernels.moe import decode_layout as layout
-
-    if p == 0:
-        return [f"and.b32 {dst}, {word}, {layout.PAIR_MASK:#010x};"]
-    if p < 3:
-        return [f"shl.b32 t, {word}, {layout.PAIR_SHIFTS[p]};", f"and.b32 {dst}, t, {layout.PAIR_MASK:#010x};"]
-    return [f"and.b32 m, {word}, {layout.PAIR3_MASK:#010x};",
-            f"mul.hi.u32 t, m, {layout.PAIR3_HI_MULTIPLIER:#x};",
-            f"shl.b32 m, m, {layout.PAIR3_SIGN_SHIFT};",
-            f"lop3.b32 {dst}, t, m, {layout.PAIR_MASK:#010x}, 0xA8;"]  # (t | m) & mask
-
 
 _MMA_ASM = tl.constexpr(mma_asm())
 _MMA_CONSTRAINTS = tl.constexpr("=r,=r," + ",".join(["r"] * 24))
@@ -265,13 +207,6 @@ def _lane_rows_dot(row_a, row_b, srow_a, srow_b, row_c, row_d, srow_c, srow_d, q
         acc_c = tl.inline_asm_elementwise(_QUAD_SUM_ASM, "=r,r", [acc_c], dtype=tl.float32, is_pure=True, pack=1)
         acc_d = tl.inline_asm_elementwise(_QUAD_SUM_ASM, "=r,r", [acc_d], dtype=tl.float32, is_pure=True, pack=1)
     return y_a, y_b, acc_c, acc_d
-
-
-@triton.jit
-def mma_position(j):
-    """Where value ``j`` of a row sits in the MMA activation format: within every 8 values the order
-    ``0, 4, 1, 5, 2, 6, 3, 7`` (the decoder's code pairs), i.e. ``8(j//8) + 2(j%4) + (j%8)//4``."""
-    return 8 * (j // 8) + 2 * (j % 4) + (j % 8) // 4
 
 
 @triton.jit
@@ -452,17 +387,6 @@ def _down_tc_kernel(
         y = _rows_dot_plain(blocks + r.to(tl.int64) * stride_br, scales + r.to(tl.int64) * stride_sr, r < HIDDEN,
                             x_row, G)
         _down_store(y, r, r < HIDDEN, w, bias, out, HIDDEN)
-
-
-def mxfp4_activations(x: torch.Tensor) -> torch.Tensor:
-    """Activations ``x`` ``[T, n]`` → the MMA format ``[T, n]`` bf16: times ``2**64``, within every 8 values
-    the order ``0, 4, 1, 5, 2, 6, 3, 7`` (the decoder's code pairs).
-
-    Torch reference of what :func:`~replicas.kernels.triton_rmsnorm.triton_add_rmsnorm` writes with
-    ``mxfp4_out``; ``n`` must be a multiple of 8."""
-    t, n = x.shape
-    y = (x.float() * X_SCALE.value).view(t, n // 8, 2, 4).transpose(2, 3).reshape(t, n)
-    return y.to(torch.bfloat16)
 
 
 _ZEROS: dict[torch.device, torch.Tensor] = {}

@@ -1,6 +1,6 @@
 """GPT-OSS's kernel forward (``GptOssForCausalLM.forward_kernels``: the GPU's prefill and mixed steps) against
-the torch reference forward, on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton
-is imported), fp32, a tiny random model.
+the torch reference forward, on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set by this
+folder's conftest), fp32, a tiny random model.
 
 The ops are forced to the Triton kernels on the CPU (``DecodeOps(triton=True)`` with the ``triton_fp32`` MoE
 backend and the grouped GEMMs as its prefill path, what an fp32 model resolves to on a GPU). One forward mixes
@@ -10,13 +10,9 @@ has 16 or fewer (the decode MoE kernel); logits and the KV written agree with th
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from ops.tools.model_shapes import shape_config  # noqa: E402

@@ -1,6 +1,6 @@
 """The Triton prefill attention kernel against the torch reference, on fresh random inputs.
 
-On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported), in fp32
+On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``, set by this folder's conftest), in fp32
 (the interpreter's bf16 dot products are wrong: numpy has no bf16); ``tests/gpu`` runs the same checks
 compiled, in bf16. Shapes are tiny: ragged batches mixing a whole prompt, a chunk after cached context and
 single decode tokens; shuffled page tables; GQA groups of 1, 3 (padded to 4) and 4; sinks; windows whose
@@ -9,13 +9,9 @@ edge falls inside, at and outside a key tile; small tiles so that the unmasked m
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 from replicas.kernels import prefill_attention as pa  # noqa: E402

@@ -10,23 +10,19 @@ arbitrary positions in bf16)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from ops.tools.model_shapes import shape_config  # noqa: E402
-from replicas.kernels.decode_ops import DecodeOps  # noqa: E402
-from replicas.kernels.moe import MoE, MoEChoice  # noqa: E402
-from replicas.kv_cache import KVCache  # noqa: E402
-from replicas.model_runner import ModelRunner, build_metadata  # noqa: E402
-from replicas.models.gpt_oss import GptOssForCausalLM  # noqa: E402
-from replicas.models.gpt_oss_config import GptOssConfig  # noqa: E402
-from replicas.request import Request, SamplingParams  # noqa: E402
+from ops.tools.model_shapes import shape_config
+from replicas.kernels.decode_ops import DecodeOps
+from replicas.kernels.moe import MoE, MoEChoice
+from replicas.kv_cache import KVCache
+from replicas.model_runner import ModelRunner, build_metadata
+from replicas.models.gpt_oss import GptOssForCausalLM
+from replicas.models.gpt_oss_config import GptOssConfig
+from replicas.request import Request, SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -5,16 +5,12 @@ tile shapes, not the interpreter's matmul, decide the bits."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from replicas.kernels.row_exact_gemm import chunk_steps, decode_gemm, prefill_gemm  # noqa: E402
+from replicas.kernels.row_exact_gemm import chunk_steps, decode_gemm, prefill_gemm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32

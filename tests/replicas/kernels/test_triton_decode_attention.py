@@ -1,7 +1,7 @@
 """The Triton decode-attention kernel against its torch reference, on fresh random inputs.
 
-On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``, set here
-before triton is imported); on an NVIDIA GPU (``tests/gpu``) the same checks
+On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``, set by this
+folder's conftest); on an NVIDIA GPU (``tests/gpu``) the same checks
 run compiled. Inputs are random normal (never zeros), page tables shuffled,
 contexts that end mid-page, GQA groups of 3 (SmolLM2) and 8 (GPT-OSS), sinks
 and sliding windows.
@@ -9,13 +9,9 @@ and sliding windows.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 from replicas.kernels.decode_ops import static_decode_attention  # noqa: E402

@@ -3,13 +3,9 @@ Triton's CPU interpreter here (fp32), the GPU (bf16) in ``tests/gpu``."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from replicas.kernels.triton_gemv import triton_gemv  # noqa: E402

@@ -1,7 +1,7 @@
 """The fused greedy-step epilogue (:mod:`replicas.kernels.triton_greedy`) against the torch ops it replaces.
 
-On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``, set here
-before triton is imported), which runs the programs one after another, so the
+On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``, set by this
+folder's conftest), which runs the programs one after another, so the
 last-arriving program is the last one; run with CUDA (this file, on the GPU
 machine) the programs race for the arrival counter. Logits are random normal with planted
 ties across blocks (the first index must win, as ``torch.argmax``).
@@ -9,13 +9,9 @@ ties across blocks (the first index must win, as ``torch.argmax``).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 from replicas.kernels.triton_greedy import BLOCK, greedy_step  # noqa: E402

@@ -1,6 +1,6 @@
 """The prefill RoPE + KV-write kernel against its torch reference and the models' own rotation.
 
-On CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported), fp32; on a GPU
+On CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set by this folder's conftest), fp32; on a GPU
 the same checks run compiled. Tokens of several sequences in one call (positions restart per sequence,
 slots shuffled across pages), head counts whose sum is not a power of two (masked rows), both table layouts
 (GPT-OSS's ``D/2`` columns, Llama's ``D`` with the halves repeated).
@@ -8,13 +8,9 @@ slots shuffled across pages), head counts whose sum is not a power of two (maske
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from replicas.kernels.paged_attention import write_kv  # noqa: E402

@@ -8,13 +8,9 @@ and the decode layout the experts are repacked into at load on Hopper).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from replicas.kernels.moe import grouped_gemm as mg  # noqa: E402

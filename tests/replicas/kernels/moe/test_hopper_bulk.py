@@ -4,21 +4,18 @@ kernels share (the kernels themselves run only on an NVIDIA GPU: ``tests/gpu/tes
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # the modules import Triton; the CPU test modules share its interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from replicas.kernels.cuda_source import _LaunchAttribute, _LaunchConfig  # noqa: E402
 from replicas.kernels.moe import hopper_bulk as bulk  # noqa: E402
 from replicas.kernels.moe.decode_layout import repack_, unpacked  # noqa: E402
+from replicas.kernels.moe.mma_format import mma_asm  # noqa: E402
 from replicas.kernels.moe.mxfp4 import E2M1_MAGNITUDES  # noqa: E402
-from replicas.kernels.moe.triton_tc import mma_asm  # noqa: E402
 
 
 def _lop3(a: int, b: int, c: int, lut: int) -> int:

@@ -4,20 +4,17 @@ in ``tests/gpu``."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from replicas.kernels.decode_ops import add_rmsnorm_reference  # noqa: E402
+from replicas.kernels.moe.mma_format import mxfp4_activations  # noqa: E402
 from replicas.kernels.moe.reference import moe_reference  # noqa: E402
 from replicas.kernels.moe.triton_fp32 import triton_moe_gemv  # noqa: E402
 from replicas.kernels.moe.triton_portable import triton_moe  # noqa: E402
-from replicas.kernels.moe.triton_tc import mxfp4_activations, triton_moe_tc  # noqa: E402
+from replicas.kernels.moe.triton_tc import triton_moe_tc  # noqa: E402
 from replicas.kernels.reference import router_topk_reference  # noqa: E402
 from replicas.kernels.triton_rmsnorm import triton_add_rmsnorm  # noqa: E402
 from replicas.kernels.triton_router import triton_add_rmsnorm_route, triton_router_topk  # noqa: E402
