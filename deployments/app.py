@@ -57,10 +57,11 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
 
     Raises:
         pydantic.ValidationError: bad arguments (e.g. ``required`` with a missing checkpoint).
-        SystemExit: in ``serve run``'s process, the HTTP port is taken.
+        SystemExit: in ``serve run``'s process, the model is not on this machine or the HTTP port is taken.
     """
     config = args if isinstance(args, AppConfig) else AppConfig.from_args(args)
-    prepare_serve_run_driver(console_tracing(config))  # serve run's own process: port check, whole spans
+    prepare_serve_run_driver(console_tracing(config), config.engine.model)  # serve run's own process: model and
+    # port checks, whole spans
     if config.colocated_enabled:  # one deployment, both lanes: the router calls its two entries
         both = _pool(ColocatedReplica, config, config.standard_pool, extra_ongoing=1)
         return OpenAIIngress.options(ray_actor_options={"num_cpus": REPLICA_CPUS}, num_replicas=config.ingress_replicas,

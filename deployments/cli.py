@@ -143,8 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"persistent-serve: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    from deployments.driver import keep_span_lines_whole, port_problem
+    from deployments.driver import keep_span_lines_whole, local_model_problem, port_problem
 
+    problem = local_model_problem(config.engine.model)
+    if problem:
+        print(f"persistent-serve: {problem}", file=sys.stderr)
+        return 2
     problem = port_problem(host, port, "choose another port with --port (e.g. --port 8001)")
     if problem:
         print(f"persistent-serve: {problem}", file=sys.stderr)

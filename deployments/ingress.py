@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.chat_plan import ChatPlanner
 from deployments.client_text import ClientTextEncoder
 from deployments.config import AppConfig
+from deployments.harmony.render import without_generation_prompt
 from deployments.openai_format import (
     ChatFormat,
     CompletionFormat,
@@ -283,13 +284,17 @@ class OpenAIIngress:
     async def tokenize(self, body: TokenizeRequest):
         """vLLM's ``POST /tokenize``: a prompt's ids, or the ids the chat endpoint counts as ``prompt_tokens`` for
         ``messages`` (with ``tools``, ``tool_choice``, ``reasoning_effort``, ``response_format``: for a harmony
-        model the same plan as the chat request's). 400 for unknown fields or chat fields with a prompt."""
+        model the same plan as the chat request's; ``add_generation_prompt: false`` leaves out the final
+        ``<|start|>assistant``). 400 for unknown fields or chat fields with a prompt."""
         self._check_model(body.model)
         self.guard.check_request(body)
         check_shape(body)
         if body.messages is not None and (self.chat_planner.harmony or body.tools):
             plan = await asyncio.to_thread(self.chat_planner.plan, body.chat_request())  # the chat endpoint's plan
-            return tokenize_result(self.tokenizer, plan.token_ids, self.max_model_len, body.return_token_strs)
+            ids = plan.token_ids
+            if not body.add_generation_prompt and self.chat_planner.harmony:
+                ids = without_generation_prompt(ids)
+            return tokenize_result(self.tokenizer, ids, self.max_model_len, body.return_token_strs)
         return await asyncio.to_thread(tokenize, self.encoder, body, self.max_model_len)
 
     @api.post("/detokenize")

@@ -206,6 +206,16 @@ def render_chat(
     )
 
 
+def without_generation_prompt(token_ids: list[int]) -> list[int]:
+    """A rendered prompt (:attr:`HarmonyPrompt.token_ids`, ending with the assistant's ``<|start|>assistant``
+    header) without that header: the ids before the last ``<|start|>`` (``/tokenize`` with
+    ``add_generation_prompt: false``, as vLLM's)."""
+    from deployments.harmony.parser import START
+
+    last = max((i for i, t in enumerate(token_ids) if t == START), default=len(token_ids))
+    return token_ids[:last]
+
+
 def required_call_grammar(tools: list[FunctionTool]) -> str:
     """An llguidance Lark grammar for a harmony reply that must end in a call to one of ``tools``
     (``tool_choice`` ``required`` or a named function): optional reasoning on ``analysis``, then

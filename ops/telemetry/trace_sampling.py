@@ -37,12 +37,18 @@ MAX_HELD_TRACES = 4096
 """Unsampled traces whose spans are held at once; the oldest is dropped beyond this."""
 
 
+UNTRACED_PATHS = frozenset({"/health"})
+"""HTTP paths whose requests start no trace: a readiness probe every few seconds would bury the requests'
+traces (with the console exporter, a screenful each)."""
+
+
 class KeepFallbacksSampler(Sampler):
     """Sample ``ratio`` of root traces by trace id; record the rest without sampling.
 
     * parent sampled → ``RECORD_AND_SAMPLE`` (children follow their parent, across processes);
     * parent present but unsampled → ``RECORD_ONLY``;
-    * no parent → :class:`TraceIdRatioBased` ``(ratio)`` decides between
+    * no parent, a server span of a path in :data:`UNTRACED_PATHS` (its ``url.path`` attribute) → ``DROP``;
+    * no parent otherwise → :class:`TraceIdRatioBased` ``(ratio)`` decides between
       ``RECORD_AND_SAMPLE`` and ``RECORD_ONLY``.
 
     Args:
@@ -71,6 +77,8 @@ class KeepFallbacksSampler(Sampler):
         parent = get_current_span(parent_context).get_span_context()
         if parent.is_valid:
             sampled = parent.trace_flags.sampled
+        elif attributes and attributes.get("url.path") in UNTRACED_PATHS:
+            return SamplingResult(Decision.DROP)
         else:
             sampled = self._root.should_sample(parent_context, trace_id, name).decision.is_sampled()
         decision = Decision.RECORD_AND_SAMPLE if sampled else Decision.RECORD_ONLY

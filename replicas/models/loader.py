@@ -67,6 +67,18 @@ def embedded_gguf_path(alias: str = DEFAULT_MODEL) -> Path:
     return path
 
 
+def model_problem(model: str) -> str | None:
+    """Why ``model`` names nothing :func:`resolve_model` can load on this machine (None: it can), checked without
+    loading or converting anything: an embedded alias, a ``.gguf`` file, or a directory with ``config.json``."""
+    if model in _EMBEDDED:
+        return None
+    path = Path(model).expanduser()
+    if (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    return (f"model {model!r} is not an embedded alias ({', '.join(_EMBEDDED)}), a .gguf file, or a directory "
+            "with config.json")
+
+
 def resolve_model(model: str, progress: bool = True) -> Path:
     """Return a local HF checkpoint directory for ``model``, converting GGUF once.
 

@@ -361,8 +361,12 @@ def test_tokenize_takes_the_chat_fields(harmony, server):
         chat = _post_chat(harmony, **req, max_tokens=1)
         assert len(ids) == chat["usage"]["prompt_tokens"], ex.name
     msgs, tools = EX["weather_call"].messages, EX["weather_call"].tools
-    bare = httpx.post(url, json={"messages": msgs}, timeout=30).json()["count"]
-    assert httpx.post(url, json={"messages": msgs, "tools": tools}, timeout=30).json()["count"] > bare
+    bare = httpx.post(url, json={"messages": msgs}, timeout=30).json()
+    assert httpx.post(url, json={"messages": msgs, "tools": tools}, timeout=30).json()["count"] > bare["count"]
+    no_gen = httpx.post(url, json={"messages": msgs, "add_generation_prompt": False, "return_token_strs": True},
+                        timeout=30).json()  # the conversation without the assistant's header, as vLLM
+    assert no_gen["tokens"] == bare["tokens"][:len(no_gen["tokens"])] and no_gen["count"] < bare["count"]
+    assert "assistant" not in no_gen["token_strs"][-1] and no_gen["token_strs"][-1] == "<|end|>"
     r = httpx.post(url, json={"messages": EX["capital"].messages, "tool": []}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool"
     r = httpx.post(url, json={"prompt": "hi", "tools": EX["weather_call"].tools}, timeout=30)

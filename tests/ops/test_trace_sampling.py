@@ -59,6 +59,25 @@ def test_ratio_one_exports_everything(receiver: OTLPReceiver) -> None:
     assert {s.name for s in receiver.spans() if s.trace_id == plain} == {"plain", "route"}
 
 
+def test_readiness_probes_start_no_trace(receiver: OTLPReceiver) -> None:
+    """A server span of ``/health`` (as FastAPI opens it, ``url.path`` set) is dropped at ratio 1 with its
+    children; another path's is exported."""
+    from opentelemetry.trace import SpanKind
+
+    setup_tracing(TracingConfig(exporter="otlp", endpoint=receiver.endpoint, sample_ratio=1.0))
+    tracer = get_tracer()
+    ids = {}
+    for path in ("/health", "/v1/models"):
+        with tracer.start_as_current_span("GET", kind=SpanKind.SERVER, attributes={"url.path": path}) as root:
+            with tracer.start_as_current_span("inner"):
+                pass
+        ids[path] = format(root.get_span_context().trace_id, "032x")
+    assert force_flush()
+    receiver.wait_for(lambda s: s.trace_id == ids["/v1/models"] and s.name == "GET")
+    assert {s.name for s in receiver.spans() if s.trace_id == ids["/v1/models"]} == {"GET", "inner"}
+    assert not [s for s in receiver.spans() if s.trace_id == ids["/health"]]
+
+
 def test_carrier_round_trip_and_forced_sampling_reaches_the_next_hop(receiver: OTLPReceiver) -> None:
     setup_tracing(TracingConfig(exporter="otlp", endpoint=receiver.endpoint, sample_ratio=0.0))
     tracer = get_tracer()
