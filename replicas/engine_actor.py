@@ -29,7 +29,8 @@ from collections.abc import AsyncIterator
 
 from policy import Mode
 from replicas.config import EngineConfig
-from replicas.engine import EngineCore, LLMEngine
+from replicas.engine import LLMEngine
+from replicas.engine_core import EngineCore
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
 from replicas.persistent.checkpoint import CheckpointError
 from replicas.persistent.contract import PersistentDecoderError

@@ -43,7 +43,7 @@ import torch
 
 from policy import check_admission, quantum_size
 from replicas.detokenizer import IncrementalDetokenizer
-from replicas.engine import EngineCore
+from replicas.engine_core import EngineCore
 from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.kv_cache import page_hashes, pages_for
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
