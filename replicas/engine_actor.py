@@ -170,7 +170,7 @@ class EngineActor:
 
     Args:
         config: engine configuration.
-        lane: ``"standard"`` or ``"persistent"``.
+        lane: ``"standard"``, ``"persistent"`` or ``"colocated"`` (both lanes over one engine core).
         mode: persistent-decoder mode (``off``/``auto``/``required``).
         backend: persistent backend name (``auto``, ``eager``).
         checkpoint: persistent-decoder checkpoint directory, or None.

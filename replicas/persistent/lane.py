@@ -1,13 +1,17 @@
 """The persistent lane: one greedy request at a time, decoded in quanta.
 
-Flow per request: admission (``policy``) → reserve prompt pages (with prefix
-caching: the longest cached prefix's pages are shared, so only the rest of the
-prompt is prefilled) → prefill with the engine's model runner → stream the
-first token → repeat { size the quantum
-(``policy.quantum_size``), reserve its pages, launch, validate the result,
-stream the quantum as one chunk } → free the pages.
+The lane is stepped like :class:`~replicas.engine.LLMEngine` (the engine actor's one loop drives it):
+:meth:`PersistentLane.add` runs admission (``policy``) and reserves the prompt pages (with prefix caching:
+the longest cached prefix's pages are shared, so only the rest of the prompt is prefilled); each
+:meth:`PersistentLane.step` advances the request by one item: the prefill with the engine's model runner
+(the first token), then one quantum per step (size it with ``policy.quantum_size``, reserve its pages,
+launch, collect, validate, accept its tokens on the host, stream it as one chunk); the step whose item ends
+the request frees the pages; :meth:`PersistentLane.abort` drops the request in any phase. The
+per-request state is a :class:`PersistentRequestState`.
 
-With a :class:`PipelinedBackend` (``cuda_graph``) the next quantum is sized,
+With a :class:`PipelinedBackend` (``cuda_graph``) and ``EngineConfig.pipeline_quanta`` (pipeline depth 1,
+chosen once at construction; otherwise depth 0: each quantum launched and collected in its step) the next
+quantum is sized,
 given its pages and launched *before* the current one is read, as if the
 current one emits all its tokens; it starts from the token and position the
 current one leaves on the device. When the current quantum ends the request
@@ -29,7 +33,7 @@ falls back to the standard lane). A :class:`PrelaunchError` on a later quantum
 (not on a follower) leaves the cache untouched, so the request continues on the
 reference decode path in this replica and the chunk carries ``fallback_reason``. A
 :class:`BackendLaunchError` (or an invalid result) is terminal for the request
-and marks the decoder unhealthy.
+and marks the decoder unhealthy (:func:`classify_failure` names the reason).
 """
 
 from __future__ import annotations
