@@ -96,6 +96,14 @@ class EngineConfig(BaseModel):
         True, description="Persistent lane: launch quantum k+1 behind quantum k before reading k, on backends "
         "that support it (cuda_graph), so the GPU never waits for the host between quanta.",
     )
+    colocated_persistent_steps: int = Field(
+        1, ge=1, le=64, description="Co-located engines (colocated=true), the scheduling policy between the lanes: "
+        "while both hold work, the engine loop runs one standard step, then up to this many persistent steps "
+        "(each the persistent request's prefill or one quantum), then the next standard step. So a standard step "
+        "waits for at most this many persistent steps, and a persistent step for at most one standard step. "
+        "1 alternates them; more favours the persistent stream's time per token over the standard streams'. "
+        "Ignored by a single-lane engine.",
+    )
     warmup: bool = Field(
         True, description="On a GPU, at load: capture every standard-lane decode-graph bucket and run throwaway "
         "prefills and decode steps (prompts of 16 to 1,024 tokens, 1 and 8 sequences; every grouped MoE GEMM tile), so the first requests do "

@@ -5,16 +5,23 @@ replica's placement-group bundle) so that this package never imports
 ``ray.serve``. Methods are async so a replica can stream from it:
 ``generate`` is an async generator of :mod:`replicas.messages` objects.
 
-Compute runs off the event loop: the standard lane in one engine thread that
-loops schedule → run → postprocess while work exists; the persistent lane in a
-worker thread per request (one at a time).
+Compute runs off the event loop, in one engine thread per actor, whatever its lanes (vLLM v1
+``EngineCore.step`` style). Each turn of its loop:
 
-Co-located (``lane="colocated"``, one replica per GPU for single-GPU users): one engine core (one
-copy of the weights, one KV page pool) serves both lanes, and the one engine thread runs them in
-turn: a standard step, then one step of the persistent request (its prefill, or one quantum),
-then a standard step again... so the model never runs twice at once on the device. Quanta are
-not pipelined there (the next quantum is launched after the current one is read), so nothing of
-the persistent lane is in flight on the device while a standard step runs.
+1. drain the inbox: typed messages :class:`Add` (a request for a lane) and :class:`Abort` (its caller
+   went away), in arrival order;
+2. one standard step (schedule → run → postprocess) if the standard lane is present and holds work;
+3. persistent steps (:meth:`PersistentLane.step`: the request's prefill, or one quantum) if that lane is
+   present and holds work: one, or, co-located with a standard step run this turn, up to
+   ``EngineConfig.colocated_persistent_steps`` (the scheduling policy between the lanes);
+
+and it sleeps while no lane holds work. Every item goes to its caller through one place
+(:class:`_Sink`: the caller's queue, and the count of the request's open choices, which says which
+item is its last). A standard or persistent actor is the same loop with one lane absent; co-located
+(``lane="colocated"``, one replica per GPU for single-GPU users) just means both are present over
+one engine core (one copy of the weights, one KV page pool), so the model never runs twice at once
+on the device. Quanta are not pipelined there (the next quantum is launched after the current one
+is read), so nothing of the persistent lane is in flight on the device while a standard step runs.
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from policy import Mode
 from replicas.config import EngineConfig
-from replicas.engine import EngineCore, LLMEngine
+from replicas.engine import LLMEngine
+from replicas.engine_core import EngineCore
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
 from replicas.persistent.checkpoint import CheckpointError
 from replicas.persistent.contract import PersistentDecoderError
@@ -116,12 +125,52 @@ def _post(loop: asyncio.AbstractEventLoop, out: asyncio.Queue, item: Item) -> bo
         return False
 
 
+@dataclass
+class _Sink:
+    """Where one request's items go: the caller's event loop and queue. It counts the request's open choices
+    (``n`` on the standard lane, 1 on the persistent one), the one place that decides which item is a
+    request's last: the last choice's final chunk, or any error or rejection. Items are posted as
+    ``(item, last)``."""
+
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    lane: str
+    open_choices: int
+
+    def post(self, item: Item) -> tuple[bool, bool]:
+        """Hand ``item`` over; returns (delivered, last). Not delivered: the caller's loop is gone."""
+        last = False
+        if _is_last(item):
+            self.open_choices -= 1
+            last = self.open_choices <= 0 or not isinstance(item, GenerationChunk)
+        return _post(self.loop, self.out, (item, last)), last
+
+
+@dataclass(frozen=True)
+class Add:
+    """Inbox message: start ``request`` on ``lane`` (``standard`` or ``persistent``), its items to ``sink``."""
+
+    request: GenerateRequest
+    lane: str
+    sink: _Sink
+    cancel: threading.Event
+    telemetry: object
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Inbox message: the caller of ``request_id`` on ``lane`` went away; drop the request, free its pages."""
+
+    request_id: str
+    lane: str
+
+
 class EngineActor:
     """One replica's engine.
 
     Args:
         config: engine configuration.
-        lane: ``"standard"`` or ``"persistent"``.
+        lane: ``"standard"``, ``"persistent"`` or ``"colocated"`` (both lanes over one engine core).
         mode: persistent-decoder mode (``off``/``auto``/``required``).
         backend: persistent backend name (``auto``, ``eager``).
         checkpoint: persistent-decoder checkpoint directory, or None.
@@ -179,8 +228,7 @@ class EngineActor:
         self._requests: dict = {}  # request id -> RequestTelemetry, for the engine thread's queue-time hook
         self._senders = StreamSenders()  # direct output streams to the ingress processes (replicas.stream_channel)
         self._snapshot: dict = self._colocated_stats() if self.colocated else {}
-        if self.engine is not None:
-            threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True).start()
+        threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True).start()
         self._publish_gauges()
         # Ray drops a gauge nobody set recently: refresh the page/health gauges while idle too
         threading.Thread(target=self._refresh_gauges, name="gauges", daemon=True).start()
@@ -238,8 +286,6 @@ class EngineActor:
         """What this engine resolved at load and runs with (``/debug/stats`` ``settings``, span attributes):
         the decode kernels and MoE backend (:meth:`EngineCore.describe_kernels`), the persistent backend and
         whether its quanta are pipelined and use the fused greedy epilogue."""
-        from replicas.persistent.contract import PipelinedBackend
-
         cfg = self.core.config
         out = {"load_format": cfg.load_format, "dtype": str(cfg.resolved_dtype()).removeprefix("torch."),
                "device": str(cfg.resolved_device()), "prefix_caching": self.core.allocator.enable_prefix_caching,
@@ -247,9 +293,11 @@ class EngineActor:
         if self.persistent is not None:
             backend = self.persistent.backend
             out["persistent_backend"] = backend_name
-            out["pipeline_quanta"] = bool(cfg.pipeline_quanta and isinstance(backend, PipelinedBackend))
+            out["pipeline_quanta"] = self.persistent.pipeline_depth == 1
             out["fused_greedy_epilogue"] = bool(getattr(backend, "fused_epilogue", False))
             out["prefix_caching"] = self.persistent.prefix_caching
+        if self.colocated:
+            out["colocated_persistent_steps"] = cfg.colocated_persistent_steps
         return out
 
     def _stats(self) -> dict:
@@ -345,44 +393,34 @@ class EngineActor:
             ValueError: ``lane`` is not a lane of this engine.
         """
         target = self._lane_for(lane)
-        loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         done = False
         cancel = threading.Event()
         channel = self._senders.channel(request.reply_to) if request.reply_to is not None else None
         request_telemetry = self.telemetry[target].start(request)
-        if target == "persistent" and not self.colocated:
-            threading.Thread(target=self._persistent_worker, args=(request, cancel, loop, out, request_telemetry), daemon=True).start()
-        elif target == "persistent":
-            self._inbox.put(("persistent", (request, cancel, request_telemetry), loop, out))
-            self._wakeup.set()
-        else:
+        if target == "standard":
             self._requests[request.request_id] = request_telemetry
-            self._inbox.put(("add", request, loop, out))
-            self._wakeup.set()
+        sink = _Sink(asyncio.get_running_loop(), out, target, request.params.n if target == "standard" else 1)
+        self._send(Add(request, target, sink, cancel, request_telemetry))
         spilled = request.spilled and target == "standard"
         self._spilled_running += spilled
-        open_choices = request.params.n if target == "standard" else 1
         sent = 0
 
-        def take(item: Item) -> None:
-            nonlocal open_choices, done
+        def take(posted: tuple[Item, bool]) -> Item:
+            nonlocal done
+            item, done = posted
             request_telemetry.chunk(item)
-            if _is_last(item):
-                open_choices -= 1
-                done = open_choices == 0 or not isinstance(item, GenerationChunk)
+            return item
 
         try:
             while not done:
-                item = await out.get()
-                take(item)
+                item = take(await out.get())
                 if channel is None:
                     yield item
                     continue
                 batch = [item]  # and whatever else is ready: one frame
                 while not done and not out.empty():
-                    batch.append(out.get_nowait())
-                    take(batch[-1])
+                    batch.append(take(out.get_nowait()))
                 try:
                     await channel.send(request.reply_to.key, batch, done)
                 except ConnectionError as exc:
@@ -397,111 +435,116 @@ class EngineActor:
             self._spilled_running -= spilled
             if not done:  # the caller went away: stop the work and free its pages
                 cancel.set()
-                if target == "standard":
-                    self._inbox.put(("abort", request.request_id, None, None))
-                    self._wakeup.set()
+                self._send(Abort(request.request_id, target))
             self._requests.pop(request.request_id, None)
             request_telemetry.end()
             self._publish_gauges()
 
-    def _persistent_worker(self, request, cancel, loop, out, request_telemetry=None) -> None:
-        try:
-            items = self.persistent.generate(request, cancel, request_telemetry)
-            for item in items:
-                if _is_last(item):
-                    for _ in items:  # run the lane's cleanup first: the pages are back when the caller sees the end
-                        pass
-                if not _post(loop, out, item):
-                    cancel.set()
-            self._publish_gauges()  # pages are back in the pool now
-        except Exception as exc:  # noqa: BLE001 - never leave the caller waiting
-            logger.exception("persistent lane failed")
-            _post(loop, out, GenerationError(request.request_id, str(exc), "persistent", "engine", "engine_error"))
+    def _send(self, message: Add | Abort) -> None:
+        """Put ``message`` in the engine thread's inbox and wake it."""
+        self._inbox.put(message)
+        self._wakeup.set()
 
     def _engine_loop(self) -> None:
-        """The engine thread: drain the inbox, run one standard step, then (co-located) advance each
-        persistent request by one step (prefill or quantum); sleep while there is no work."""
-        sinks: dict[str, tuple] = {}
-        open_choices: dict[str, int] = {}
-        jobs: list[list] = []  # co-located persistent requests: [items iterator, request id, loop, out, cancel]
-
-        def deliver(rid: str, item: Item) -> None:
-            loop, out = sinks[rid]
-            if not _post(loop, out, item):  # the caller's loop is gone: drop the request
-                self.engine.abort(rid)
-                del sinks[rid]
-            elif _is_last(item):
-                open_choices[rid] = open_choices.get(rid, 1) - 1
-                if open_choices[rid] <= 0 or not isinstance(item, GenerationChunk):
-                    del sinks[rid]
-                    open_choices.pop(rid, None)
-
+        """The engine thread, one loop for every lane: drain the inbox, run one standard step if the standard
+        lane is present and holds work, then persistent steps if that lane is present and holds work (one; up
+        to ``colocated_persistent_steps`` after a standard step); sleep while no lane holds work."""
+        sinks: dict[str, _Sink] = {}
+        budget = self.core.config.colocated_persistent_steps
         while True:
-            while True:
-                try:
-                    op, arg, loop, out = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if op == "add":
-                    sinks[arg.request_id] = (loop, out)
-                    open_choices[arg.request_id] = arg.params.n
-                    try:
-                        self.engine.add_request(arg.request_id, arg.prompt_token_ids, arg.params)
-                    except ValueError as exc:
-                        deliver(arg.request_id, GenerationError(arg.request_id, str(exc), "standard", "validation", "invalid_request"))
-                elif op == "abort":
-                    self.engine.abort(arg)
-                    sinks.pop(arg, None)
-                    open_choices.pop(arg, None)
-                elif op == "persistent":
-                    request, cancel, request_telemetry = arg
-                    jobs.append([self.persistent.generate(request, cancel, request_telemetry), request.request_id, loop, out, cancel])
-            if not self.engine.has_unfinished() and not jobs:
+            self._drain_inbox(sinks)
+            standard = self.engine is not None and self.engine.has_unfinished()
+            if not standard and not (self.persistent is not None and self.persistent.has_unfinished()):
                 if self.colocated:
                     self._snapshot = self._colocated_stats()
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue
-            if self.engine.has_unfinished():
-                self._standard_step(sinks, deliver)
-            for job in list(jobs):
-                if self._advance(job):
-                    jobs.remove(job)
+            if standard:
+                self._standard_step(sinks)
+            for _ in range(budget if standard else 1):
+                if self.persistent is None or not self.persistent.has_unfinished():
+                    break
+                self._persistent_step(sinks)
             if self.colocated:
                 self._snapshot = self._colocated_stats()
 
-    def _standard_step(self, sinks: dict, deliver) -> None:
+    def _drain_inbox(self, sinks: dict[str, _Sink]) -> None:
+        """Apply every message waiting in the inbox, in order: :class:`Add` starts a request on its lane (a
+        refusal is delivered at once), :class:`Abort` drops one."""
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, Abort):
+                sinks.pop(msg.request_id, None)
+                if msg.lane == "standard":
+                    self.engine.abort(msg.request_id)
+                else:
+                    self.persistent.abort(msg.request_id)
+                continue
+            rid = msg.request.request_id
+            sinks[rid] = msg.sink
+            if msg.lane == "standard":
+                try:
+                    self.engine.add_request(rid, msg.request.prompt_token_ids, msg.request.params)
+                except ValueError as exc:
+                    self._deliver(sinks, rid, GenerationError(rid, str(exc), "standard", "validation",
+                                                              "invalid_request"))
+            else:
+                refused = self.persistent.add(msg.request, msg.cancel, msg.telemetry)
+                if refused is not None:
+                    self._deliver(sinks, rid, refused)
+
+    def _deliver(self, sinks: dict[str, _Sink], rid: str, item: Item) -> None:
+        """Hand ``item`` to the caller of ``rid`` (the one place items leave the engine thread); forget the
+        request after its last item, or drop it from its lane when its caller's loop is gone."""
+        sink = sinks.get(rid)
+        if sink is None:
+            return
+        delivered, last = sink.post(item)
+        if not delivered:
+            del sinks[rid]
+            if sink.lane == "standard":
+                self.engine.abort(rid)
+            else:
+                self.persistent.abort(rid)
+        elif last:
+            del sinks[rid]
+
+    def _standard_step(self, sinks: dict[str, _Sink]) -> None:
+        """One standard step; an exception in it fails every request the standard lane holds (the replica
+        keeps serving)."""
         try:
             chunks = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the batch's requests, keep the replica
             logger.exception("engine step failed")
-            for rid in list(sinks):
+            for rid in [rid for rid, sink in sinks.items() if sink.lane == "standard"]:
                 self.engine.abort(rid)
-                deliver(rid, GenerationError(rid, f"engine step failed: {exc}", "standard", "engine", "engine_error"))
+                self._deliver(sinks, rid, GenerationError(rid, f"engine step failed: {exc}", "standard", "engine",
+                                                          "engine_error"))
             return
         if self.colocated:  # before the chunks go out: a caller that saw its last chunk sees its pages back
             self._snapshot = self._colocated_stats()
         for chunk in chunks:
-            if chunk.request_id in sinks:
-                deliver(chunk.request_id, chunk)
+            self._deliver(sinks, chunk.request_id, chunk)
 
-    def _advance(self, job: list) -> bool:
-        """Run a co-located persistent request up to its next item (its prefill or one quantum) and hand the
-        item over; True once the request is over (its pages are back in the pool then)."""
-        items, rid, loop, out, cancel = job
+    def _persistent_step(self, sinks: dict[str, _Sink]) -> None:
+        """One persistent step (the request's prefill or one quantum). The lane frees the pages of a request
+        before returning its last item; an exception escaping the lane ends that request with
+        ``engine_error`` (its pages freed), and the engine thread goes on."""
+        rid = self.persistent.current_request_id
         try:
-            item = next(items)
-        except StopIteration:
-            return True
+            items = self.persistent.step()
         except Exception as exc:  # noqa: BLE001 - never leave the caller waiting
             logger.exception("persistent lane failed")
-            _post(loop, out, GenerationError(rid, str(exc), "persistent", "engine", "engine_error"))
-            return True
-        last = _is_last(item)
-        if last:
-            for _ in items:  # run the lane's cleanup (pages freed) now, in this thread, before the caller sees the end
-                pass
-            self._snapshot = self._colocated_stats()
-        if not _post(loop, out, item):
-            cancel.set()
-        return last
+            try:
+                self.persistent.abort(rid)
+            except Exception:  # noqa: BLE001
+                logger.exception("freeing the failed persistent request failed")
+            items = [GenerationError(rid, str(exc), "persistent", "engine", "engine_error")]
+        if self.colocated and items and _is_last(items[-1]):
+            self._snapshot = self._colocated_stats()  # its pages are back before the caller sees the end
+        for item in items:
+            self._deliver(sinks, rid, item)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -102,3 +103,98 @@ def test_colocated_settings_and_lane_names(colocated):
     assert settings["persistent_backend"] == "eager" and settings["pipeline_quanta"] is False
     with pytest.raises(ValueError, match="lane must be"):
         asyncio.run(_collect(colocated.generate(greedy_request("x", [1, 2], TWENTY), lane="fast")))
+
+
+@pytest.fixture(scope="module")
+def favours_persistent():
+    """A co-located engine whose policy runs up to 3 persistent steps between two standard steps."""
+    config = CONFIG.model_copy(update={"colocated_persistent_steps": 3})
+    return EngineActor(config, lane="colocated", mode="auto", backend="eager")
+
+
+def _record_steps(actor, monkeypatch) -> list[tuple[str, bool]]:
+    """Wrap the lanes' steps: each call recorded as (lane, whether the other lane held work then)."""
+    order: list[tuple[str, bool]] = []
+    standard_step, persistent_step = actor.engine.step, actor.persistent.step
+
+    def standard():
+        order.append(("standard", actor.persistent.has_unfinished()))
+        return standard_step()
+
+    def persistent():
+        order.append(("persistent", actor.engine.has_unfinished()))
+        return persistent_step()
+
+    monkeypatch.setattr(actor.engine, "step", standard)
+    monkeypatch.setattr(actor.persistent, "step", persistent)
+    return order
+
+
+def _longest_run(order: list[tuple[str, bool]], lane: str) -> int:
+    """The most steps of ``lane`` in a row taken while the other lane held work."""
+    best = run = 0
+    for name, other_busy in order:
+        run = run + 1 if name == lane and other_busy else 0
+        best = max(best, run)
+    return best
+
+
+@pytest.mark.parametrize("fixture", ["colocated", "favours_persistent"])
+def test_the_colocated_policy_bounds_what_each_lane_waits(fixture, request, tokenizer, monkeypatch):
+    """While both lanes hold work, the engine loop runs one standard step, then at most
+    ``colocated_persistent_steps`` persistent steps (each a prefill or one quantum), and again: a standard
+    step waits for at most that many persistent steps, a persistent step for at most one standard step."""
+    actor = request.getfixturevalue(fixture)
+    bound = actor.core.config.colocated_persistent_steps
+    order = _record_steps(actor, monkeypatch)
+    ids = [chat_ids(tokenizer, p) for p in PROMPTS[:3]]
+    sixty = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        standard = [_collect(actor.generate(greedy_request(f"s{i}", x, sixty))) for i, x in enumerate(ids[1:])]
+        persistent = _collect(actor.generate(greedy_request("p", ids[0], sixty), lane="persistent"))
+        return await asyncio.gather(persistent, *standard)
+
+    persistent, *standard = asyncio.run(scenario())
+    assert len(tokens_of(persistent)) == 60 and all(len(tokens_of(s)) == 60 for s in standard)
+    assert _longest_run(order, "standard") == 1
+    assert _longest_run(order, "persistent") == bound  # reached, never passed
+    stats = asyncio.run(actor.stats())
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+    assert stats["settings"]["colocated_persistent_steps"] == bound
+
+
+def test_a_persistent_request_aborted_while_queued_in_the_inbox_never_runs(favours_persistent, tokenizer, monkeypatch):
+    """The engine thread is held inside a standard step while a persistent request arrives and its caller goes
+    away: its Add and Abort wait in the inbox, are applied in order (admitted, then dropped), the lane never
+    steps it, and every page is back; the standard request finishes untouched."""
+    actor = favours_persistent
+    order = _record_steps(actor, monkeypatch)
+    gate, entered = threading.Event(), threading.Event()
+    recorded_standard = actor.engine.step
+
+    def held():
+        entered.set()
+        gate.wait(30)
+        return recorded_standard()
+
+    monkeypatch.setattr(actor.engine, "step", held)
+    ids = chat_ids(tokenizer, PROMPTS[4])
+
+    async def scenario():
+        standard = asyncio.ensure_future(_collect(actor.generate(greedy_request("s", ids, TWENTY))))
+        while not entered.is_set():
+            await asyncio.sleep(0.005)
+        queued = asyncio.ensure_future(actor.generate(greedy_request("q", ids, TWENTY), lane="persistent").__anext__())
+        await asyncio.sleep(0.05)
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        gate.set()
+        return await standard
+
+    standard = asyncio.run(scenario())
+    assert len(tokens_of(standard)) == 20
+    assert all(name == "standard" for name, _ in order)  # the persistent lane never stepped "q"
+    assert not actor.persistent.busy
+    stats = asyncio.run(actor.stats())
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["running"] == 0
