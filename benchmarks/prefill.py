@@ -780,47 +780,16 @@ def lanes_agreement(dtype=torch.float32, prompts_n: int = 20, tokens: int = 128,
     lane at ``concurrency`` against the same requests one at a time. Returns the counts."""
     from benchmarks.engine import build_core
     from ops.tools.make_tiny_gpt_oss import real_config
-    from replicas.engine import LLMEngine
-    from replicas.messages import GenerateRequest
-    from replicas.persistent.cuda_graph import CudaGraphBackend
-    from replicas.persistent.lane import PersistentLane
-    from replicas.request import SamplingParams
-    from replicas.scheduler import SchedulerConfig
 
     core = build_core({**real_config("20b"), **SMALL_GPT_OSS}, torch.device(S.device), dtype, 512,
                       {"num_kv_blocks": concurrency * 32 + 64, "max_num_seqs": 256,
                        "batch_invariant": batch_invariant})
     core.model.lm_head.weight.data.mul_(20)  # spread the random logits: wide argmax margins
-    g = torch.Generator().manual_seed(7)
-    vocab = SMALL_GPT_OSS["vocab_size"]
-    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist()
-               for n in torch.randint(20, 300, (max(prompts_n, concurrency),), generator=g)]
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-
-    def standard(batch: list[list[int]]) -> list[list[int]]:
-        engine = LLMEngine(core, SchedulerConfig(256, 4096, True))
-        for i, p in enumerate(batch):
-            engine.add_request(f"s{i}", p, params)
-        out: dict[str, list[int]] = {f"s{i}": [] for i in range(len(batch))}
-        while engine.has_unfinished():
-            for ch in engine.step():
-                out[ch.request_id] += ch.token_ids
-        assert core.allocator.num_free == core.allocator.num_blocks
-        return [out[f"s{i}"] for i in range(len(batch))]
-
-    together = standard(prompts[:prompts_n])
-    if S.device == "cuda":
-        lane = PersistentLane(core, CudaGraphBackend(core.model, torch.device("cuda"), core.config.max_model_len))
-    else:
-        from replicas.persistent.eager import EagerBackend
-
-        lane = PersistentLane(core, EagerBackend(core.model, S.device))
-    persistent = []
-    for i, p in enumerate(prompts[:prompts_n]):
-        persistent.append([t for ch in lane.generate(GenerateRequest(f"p{i}", p, params)) for t in ch.token_ids])
-    assert core.allocator.num_free == core.allocator.num_blocks
-    many = standard(prompts[:concurrency])
-    alone = [standard([p])[0] for p in prompts[:concurrency]]
+    prompts = fixtures.random_prompts(SMALL_GPT_OSS["vocab_size"], max(prompts_n, concurrency))
+    together = fixtures.standard_greedy(core, prompts[:prompts_n], tokens)
+    persistent = fixtures.persistent_greedy(core, prompts[:prompts_n], tokens)
+    many = fixtures.standard_greedy(core, prompts[:concurrency], tokens)
+    alone = [fixtures.standard_greedy(core, [p], tokens)[0] for p in prompts[:concurrency]]
     graphs = core.runner.graphs
     return {
         "persistent_vs_standard": sum(a == b for a, b in zip(persistent, together, strict=True)),

@@ -1,5 +1,5 @@
-"""Random inputs the GPU tests and the benchmarks share: packed MXFP4 experts, paged attention batches, a small
-GPT-OSS shape. Nothing here is used while serving.
+"""Random inputs and runs the GPU tests and the benchmarks share: packed MXFP4 experts, paged attention batches,
+a small GPT-OSS shape, random prompts and their greedy tokens on each lane. Nothing here is used while serving.
 """
 
 from __future__ import annotations
@@ -85,3 +85,58 @@ def attention_batch(q_lens: list[int], ctx_lens: list[int], heads: tuple[int, in
     meta = AttentionMetadata(positions=positions, slot_mapping=positions, query_start=starts,
                              context_lens=list(ctx_lens), block_tables=tables)
     return q, kp, vp, meta
+
+
+def random_prompts(vocab: int, n: int, seed: int = 7) -> list[list[int]]:
+    """``n`` prompts of 20..299 random token ids in ``[3, vocab)``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(k),), generator=g).tolist() for k in torch.randint(20, 300, (n,), generator=g)]
+
+
+def standard_greedy(core, prompts: list[list[int]], tokens: int = 128, budget: int = 4096) -> list[list[int]]:
+    """Greedy tokens (``ignore_eos``) of ``prompts`` all added at once to one standard-lane engine over ``core``
+    (chunked prefill under ``budget`` tokens per step, mixed with decodes).
+
+    Raises:
+        AssertionError: a KV page was not returned."""
+    from replicas.engine import LLMEngine
+    from replicas.request import SamplingParams
+    from replicas.scheduler import SchedulerConfig
+
+    engine = LLMEngine(core, SchedulerConfig(256, budget, True))
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"s{i}", p, params)
+    out: dict[str, list[int]] = {f"s{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for ch in engine.step():
+            out[ch.request_id] += ch.token_ids
+    assert core.allocator.num_used == 0, "KV pages not returned"
+    return [out[f"s{i}"] for i in range(len(prompts))]
+
+
+def persistent_greedy(core, prompts: list[list[int]], tokens: int = 128) -> list[list[int]]:
+    """Greedy tokens (``ignore_eos``) of ``prompts`` one at a time on the persistent lane: the ``cuda_graph``
+    backend on a GPU, ``eager`` elsewhere.
+
+    Raises:
+        AssertionError: a KV page was not returned."""
+    from replicas.messages import GenerateRequest
+    from replicas.persistent.lane import PersistentLane
+    from replicas.request import SamplingParams
+
+    device = torch.device(core.config.resolved_device())
+    if device.type == "cuda":
+        from replicas.persistent.cuda_graph import CudaGraphBackend
+
+        backend = CudaGraphBackend(core.model, device, core.config.max_model_len)
+    else:
+        from replicas.persistent.eager import EagerBackend
+
+        backend = EagerBackend(core.model, device)
+    lane = PersistentLane(core, backend)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    out = [[t for ch in lane.generate(GenerateRequest(f"p{i}", p, params)) for t in ch.token_ids]
+           for i, p in enumerate(prompts)]
+    assert core.allocator.num_used == 0, "KV pages not returned"
+    return out

@@ -127,6 +127,17 @@ def _reduce_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, num_chunks, HAS_BIAS
     tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+def _prepare(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the operands; return ``x`` with contiguous elements and the empty ``[M, N]`` output.
+
+    Raises:
+        ValueError: as :func:`decode_gemm` says."""
+    _check(x, weight, bias)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return x, torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"row-exact GEMM needs x [M, K] and weight [N, K]; got {tuple(x.shape)} and "
@@ -156,12 +167,8 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     Raises:
         ValueError: mismatched shapes or dtypes, or non-contiguous weight rows or bias.
     """
-    _check(x, weight, bias)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    x, y = _prepare(x, weight, bias)
+    (m, k), n = x.shape, weight.shape[0]
     if m == 0:
         return y
     steps = chunk_steps(k)
@@ -224,12 +231,8 @@ def prefill_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """``x W^T + b`` for prompt tokens: one fixed tile (:data:`PREFILL_TILE`), so each row is bitwise the same
     whatever the token count and the other tokens. Arguments, result and errors as :func:`decode_gemm`
     (without ``splits``)."""
-    _check(x, weight, bias)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    x, y = _prepare(x, weight, bias)
+    (m, k), n = x.shape, weight.shape[0]
     if m == 0:
         return y
     bm, bn, bk = PREFILL_TILE

@@ -24,41 +24,21 @@ def dummy_core(shape: str | dict, dtype: torch.dtype = torch.float32, max_model_
 
 
 def prompts_for(core, n: int, seed: int = 7) -> list[list[int]]:
-    """``n`` random prompts of 20..299 token ids in ``core``'s vocabulary."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = core.model.config.vocab_size
-    return [torch.randint(3, vocab, (int(k),), generator=g).tolist() for k in torch.randint(20, 300, (n,), generator=g)]
+    """``n`` random prompts in ``core``'s vocabulary (:func:`ops.tools.fixtures.random_prompts`)."""
+    from ops.tools.fixtures import random_prompts
+
+    return random_prompts(core.model.config.vocab_size, n, seed)
 
 
 def standard_tokens(core, prompts: list[list[int]], tokens: int = 128, budget: int = 4096) -> list[list[int]]:
-    """Greedy tokens of ``prompts`` all added at once to one standard-lane engine (chunked prefill under
-    ``budget`` tokens per step, mixed with decodes); asserts every KV page came back."""
-    from replicas.engine import LLMEngine
-    from replicas.request import SamplingParams
-    from replicas.scheduler import SchedulerConfig
+    """:func:`ops.tools.fixtures.standard_greedy`."""
+    from ops.tools.fixtures import standard_greedy
 
-    engine = LLMEngine(core, SchedulerConfig(256, budget, True))
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"s{i}", p, params)
-    out: dict[str, list[int]] = {f"s{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for ch in engine.step():
-            out[ch.request_id] += ch.token_ids
-    assert core.allocator.num_used == 0
-    return [out[f"s{i}"] for i in range(len(prompts))]
+    return standard_greedy(core, prompts, tokens, budget)
 
 
 def persistent_tokens(core, prompts: list[list[int]], tokens: int = 128) -> list[list[int]]:
-    """Greedy tokens of ``prompts`` one at a time on the persistent lane (``cuda_graph`` quanta)."""
-    from replicas.messages import GenerateRequest
-    from replicas.persistent.cuda_graph import CudaGraphBackend
-    from replicas.persistent.lane import PersistentLane
-    from replicas.request import SamplingParams
+    """:func:`ops.tools.fixtures.persistent_greedy` (``cuda_graph`` quanta on the GPU)."""
+    from ops.tools.fixtures import persistent_greedy
 
-    lane = PersistentLane(core, CudaGraphBackend(core.model, torch.device("cuda"), core.config.max_model_len))
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    out = [[t for ch in lane.generate(GenerateRequest(f"p{i}", p, params)) for t in ch.token_ids]
-           for i, p in enumerate(prompts)]
-    assert core.allocator.num_used == 0
-    return out
+    return persistent_greedy(core, prompts, tokens)
