@@ -114,6 +114,13 @@ class EngineConfig(BaseModel):
         "one Triton launch instead of the torch ops.",
     )
 
+    blocking_sync: bool = Field(
+        False, description="Standard lane on a GPU: the engine thread waits for each step's forward on a "
+        "blocking CUDA event (it sleeps, leaving the core and the GIL to the actor's output path) instead of "
+        "spinning in the read of the sampled tokens (CUDA's default for one context per process). The "
+        "persistent lane always spins: its quanta are latency-bound. Ignored on CPU.",
+    )
+
     @model_validator(mode="after")
     def _check_blocks(self) -> EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks * PAGE_SIZE < self.max_model_len:

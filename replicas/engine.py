@@ -68,6 +68,9 @@ class LLMEngine:
         )
         self._tracked: dict[str, _Tracked] = {}
         self._children: dict[str, list[str]] = {}
+        # EngineConfig.blocking_sync: one reusable event; the wait sleeps (cudaEventBlockingSync) and drops the GIL
+        self._forward_done = (torch.cuda.Event(blocking=True)
+                              if cfg.blocking_sync and core.runner.device.type == "cuda" else None)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (``params.n`` sequences).
@@ -110,6 +113,11 @@ class LLMEngine:
                 self.scheduler.finish(tracked.req)
         return True
 
+    @property
+    def blocking_sync(self) -> bool:
+        """The engine waits for each forward on a blocking event (``EngineConfig.blocking_sync`` on a GPU)."""
+        return self._forward_done is not None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -126,6 +134,9 @@ class LLMEngine:
             logits, prompt_rows = self.core.runner.execute_with_prompt_logits(batch, want)
         else:
             logits, prompt_rows = self.core.runner.execute(batch), None
+        if self._forward_done is not None:  # sleep through the forward rather than spin in the token read
+            self._forward_done.record()
+            self._forward_done.synchronize()
         rows, sampled = [], []
         for i, (req, n) in enumerate(batch):
             if prompt_rows is not None and prompt_rows[i] is not None:

@@ -17,7 +17,8 @@ Compute runs off the event loop, in one engine thread per actor, whatever its la
 
 and it sleeps while no lane holds work. Every item goes to its caller through one place
 (:class:`_Sink`: the caller's queue, and the count of the request's open choices, which says which
-item is its last). A standard or persistent actor is the same loop with one lane absent; co-located
+item is its last); what a step produced crosses to the actor's event loop in one hand-over
+(:class:`_Outbox`), not one per token. A standard or persistent actor is the same loop with one lane absent; co-located
 (``lane="colocated"``, one replica per GPU for single-GPU users) just means both are present over
 one engine core (one copy of the weights, one KV page pool), so the model never runs twice at once
 on the device. Quanta are not pipelined there (the next quantum is launched after the current one
@@ -116,13 +117,45 @@ def device_facts(device) -> dict:
     return out
 
 
-def _post(loop: asyncio.AbstractEventLoop, out: asyncio.Queue, item: Item) -> bool:
-    """Hand ``item`` to the caller's event loop; False if that loop is gone (the output is dropped)."""
-    try:
-        loop.call_soon_threadsafe(out.put_nowait, item)
+def _put_all(entries: list[tuple[asyncio.Queue, tuple]]) -> None:
+    """Runs on the callers' event loop: put each posted ``(item, last)`` on its request's queue."""
+    for out, posted in entries:
+        out.put_nowait(posted)
+
+
+class _Outbox:
+    """One engine-loop turn's items, grouped by the event loop that reads them, handed over in one
+    ``call_soon_threadsafe`` per loop and turn (every request of an actor is read on the actor's one event
+    loop, so that is one cross-thread hand-over per step, whatever the batch size, instead of one per
+    token: vLLM's engine core likewise sends one ``EngineCoreOutputs`` per step)."""
+
+    def __init__(self):
+        self._entries: dict[asyncio.AbstractEventLoop, list] = {}
+        self.handovers = 0
+        """Cross-thread hand-overs so far (``stats()["deliveries"]``)."""
+        self.items = 0
+        """Items handed over so far."""
+
+    def add(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue, posted: tuple) -> bool:
+        """Queue ``posted`` for ``out``; False if ``loop`` is closed (nobody listens: the item is dropped)."""
+        if loop.is_closed():
+            return False
+        self._entries.setdefault(loop, []).append((out, posted))
         return True
-    except RuntimeError:  # loop closed: nobody is listening any more
-        return False
+
+    def flush(self) -> list[asyncio.AbstractEventLoop]:
+        """Hand every queued item over; returns the loops that turned out closed (their items dropped)."""
+        entries, self._entries = self._entries, {}
+        gone = []
+        for loop, batch in entries.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # loop closed meanwhile: nobody is listening any more
+                gone.append(loop)
+                continue
+            self.handovers += 1
+            self.items += len(batch)
+        return gone
 
 
 @dataclass
@@ -130,20 +163,20 @@ class _Sink:
     """Where one request's items go: the caller's event loop and queue. It counts the request's open choices
     (``n`` on the standard lane, 1 on the persistent one), the one place that decides which item is a
     request's last: the last choice's final chunk, or any error or rejection. Items are posted as
-    ``(item, last)``."""
+    ``(item, last)`` through the engine loop's :class:`_Outbox`."""
 
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     lane: str
     open_choices: int
 
-    def post(self, item: Item) -> tuple[bool, bool]:
-        """Hand ``item`` over; returns (delivered, last). Not delivered: the caller's loop is gone."""
+    def post(self, outbox: _Outbox, item: Item) -> tuple[bool, bool]:
+        """Queue ``item`` in ``outbox``; returns (delivered, last). Not delivered: the caller's loop is gone."""
         last = False
         if _is_last(item):
             self.open_choices -= 1
             last = self.open_choices <= 0 or not isinstance(item, GenerationChunk)
-        return _post(self.loop, self.out, (item, last)), last
+        return outbox.add(self.loop, self.out, (item, last)), last
 
 
 @dataclass(frozen=True)
@@ -203,6 +236,7 @@ class EngineActor:
         prefix = config.enable_prefix_caching and (lane != "persistent" or backend_takes_cached_pages(backend))
         self.core = EngineCore.load(config, enable_prefix_caching=prefix)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox = _Outbox()  # engine thread only
         self._wakeup = threading.Event()
         self.persistent: PersistentLane | None = None
         self.engine: LLMEngine | None = None
@@ -296,6 +330,8 @@ class EngineActor:
             out["pipeline_quanta"] = self.persistent.pipeline_depth == 1
             out["fused_greedy_epilogue"] = bool(getattr(backend, "fused_epilogue", False))
             out["prefix_caching"] = self.persistent.prefix_caching
+        if self.engine is not None:
+            out["blocking_sync"] = self.engine.blocking_sync
         if self.colocated:
             out["colocated_persistent_steps"] = cfg.colocated_persistent_steps
         return out
@@ -353,7 +389,8 @@ class EngineActor:
         and the debug endpoint)."""
         return {**self._stats(), "placement_group_id": _placement_group_id(), "settings": self.settings,
                 "node_id": _node_id(), "pid": os.getpid(), "accelerator": self.accelerator,
-                "direct_streams": self._senders.stats()}
+                "direct_streams": self._senders.stats(),
+                "deliveries": {"handovers": self._outbox.handovers, "items": self._outbox.items}}
 
     def _scheduled(self, request_id: str) -> None:
         request_telemetry = self._requests.get(request_id)
@@ -448,11 +485,13 @@ class EngineActor:
     def _engine_loop(self) -> None:
         """The engine thread, one loop for every lane: drain the inbox, run one standard step if the standard
         lane is present and holds work, then persistent steps if that lane is present and holds work (one; up
-        to ``colocated_persistent_steps`` after a standard step); sleep while no lane holds work."""
+        to ``colocated_persistent_steps`` after a standard step); sleep while no lane holds work. What each
+        of these produced is handed to the callers' event loop at once, in one hand-over (:class:`_Outbox`)."""
         sinks: dict[str, _Sink] = {}
         budget = self.core.config.colocated_persistent_steps
         while True:
             self._drain_inbox(sinks)
+            self._flush(sinks)
             standard = self.engine is not None and self.engine.has_unfinished()
             if not standard and not (self.persistent is not None and self.persistent.has_unfinished()):
                 if self.colocated:
@@ -462,12 +501,28 @@ class EngineActor:
                 continue
             if standard:
                 self._standard_step(sinks)
+                self._flush(sinks)
             for _ in range(budget if standard else 1):
                 if self.persistent is None or not self.persistent.has_unfinished():
                     break
                 self._persistent_step(sinks)
+                self._flush(sinks)
             if self.colocated:
                 self._snapshot = self._colocated_stats()
+
+    def _flush(self, sinks: dict[str, _Sink]) -> None:
+        """Hand the items queued since the last flush to the callers' event loops; a request whose caller's
+        loop turned out closed is dropped from its lane (pages back)."""
+        for loop in self._outbox.flush():
+            for rid in [rid for rid, sink in sinks.items() if sink.loop is loop]:
+                self._drop(sinks.pop(rid), rid)
+
+    def _drop(self, sink: _Sink, rid: str) -> None:
+        """Stop ``rid`` on its lane: its caller is gone."""
+        if sink.lane == "standard":
+            self.engine.abort(rid)
+        else:
+            self.persistent.abort(rid)
 
     def _drain_inbox(self, sinks: dict[str, _Sink]) -> None:
         """Apply every message waiting in the inbox, in order: :class:`Add` starts a request on its lane (a
@@ -498,18 +553,16 @@ class EngineActor:
                     self._deliver(sinks, rid, refused)
 
     def _deliver(self, sinks: dict[str, _Sink], rid: str, item: Item) -> None:
-        """Hand ``item`` to the caller of ``rid`` (the one place items leave the engine thread); forget the
-        request after its last item, or drop it from its lane when its caller's loop is gone."""
+        """Queue ``item`` for the caller of ``rid`` (the one place items leave the engine thread; the loop hands
+        them over after each step); forget the request after its last item, or drop it from its lane when its
+        caller's loop is gone."""
         sink = sinks.get(rid)
         if sink is None:
             return
-        delivered, last = sink.post(item)
+        delivered, last = sink.post(self._outbox, item)
         if not delivered:
             del sinks[rid]
-            if sink.lane == "standard":
-                self.engine.abort(rid)
-            else:
-                self.persistent.abort(rid)
+            self._drop(sink, rid)
         elif last:
             del sinks[rid]
 

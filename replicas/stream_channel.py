@@ -153,13 +153,21 @@ class StreamListener:
 
 
 class _Channel:
-    """One connection from this engine to one listener."""
+    """One connection from this engine to one listener.
+
+    Frames sent in the same turn of the event loop go out in one socket write: the engine loop hands a
+    step's items over at once (``replicas.engine_actor``), each request's reader sends its frame in that
+    turn, so a step reaches each listener as one write, however many requests it served there."""
 
     def __init__(self, address: tuple[str, int, str]):
         self.address = address
         self.writer: asyncio.StreamWriter | None = None
         self.failed_at: float | None = None
         self._connecting: asyncio.Task | None = None
+        self._pending: list[bytes] = []
+        self._written: asyncio.Future | None = None
+        self.frames = 0
+        self.writes = 0
 
     @property
     def ready(self) -> bool:
@@ -191,17 +199,45 @@ class _Channel:
             self.writer = None
 
     async def send(self, key: str, items: list, final: bool) -> None:
-        """Write one frame (and wait while the socket's buffer is over its high-water mark).
+        """Queue one frame for this turn's write and wait until it is written (and while the socket's
+        buffer is over its high-water mark).
 
         Raises:
             ConnectionError: the connection is closed or broke.
         """
-        writer = self.writer
-        if writer is None or writer.is_closing():
+        if not self.ready:
             raise ConnectionError("the direct stream's connection is closed")
         payload = pickle.dumps((key, items, final), protocol=pickle.HIGHEST_PROTOCOL)
-        writer.write(_HEADER.pack(len(payload)) + payload)
-        await writer.drain()
+        self._pending.append(_HEADER.pack(len(payload)) + payload)
+        self.frames += 1
+        if self._written is None:
+            loop = asyncio.get_running_loop()
+            self._written = loop.create_future()
+            loop.call_soon(self._write_pending)
+        await asyncio.shield(self._written)
+
+    def _write_pending(self) -> None:
+        """Write every frame queued this turn in one call, then let their senders go once drained."""
+        data, self._pending = b"".join(self._pending), []
+        written, self._written = self._written, None
+        writer = self.writer
+        if writer is None or writer.is_closing():
+            written.set_exception(ConnectionError("the direct stream's connection is closed"))
+            written.exception()  # retrieved: a sender that was cancelled meanwhile leaves no warning
+            return
+        writer.write(data)
+        self.writes += 1
+        asyncio.ensure_future(self._drained(writer, written))
+
+    @staticmethod
+    async def _drained(writer: asyncio.StreamWriter, written: asyncio.Future) -> None:
+        try:
+            await writer.drain()
+        except Exception as exc:  # noqa: BLE001 - every waiting sender must be let go
+            written.set_exception(ConnectionError(f"the direct stream broke: {exc}"))
+            written.exception()
+            return
+        written.set_result(None)
 
 
 class StreamSenders:
@@ -227,4 +263,6 @@ class StreamSenders:
         return None
 
     def stats(self) -> dict:
-        return {"connected": sum(c.ready for c in self._channels.values()), "known": len(self._channels)}
+        return {"connected": sum(c.ready for c in self._channels.values()), "known": len(self._channels),
+                "frames": sum(c.frames for c in self._channels.values()),
+                "writes": sum(c.writes for c in self._channels.values())}

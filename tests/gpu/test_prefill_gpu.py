@@ -146,3 +146,18 @@ def test_standard_lane_steps_do_not_synchronize_the_host_inside_the_forward():
     assert any(seqs > 1 and tokens > seqs for seqs, tokens in forwards), forwards  # a mixed prefill + decode step
     assert any(seqs > 16 and tokens == seqs for seqs, tokens in forwards), forwards  # a decode step past 16
     assert core.allocator.num_free == core.allocator.num_blocks
+
+
+def test_blocking_sync_sleeps_through_the_forward_and_gives_the_same_tokens():
+    """``EngineConfig.blocking_sync``: the standard engine waits on a blocking CUDA event after each forward
+    (its thread sleeps instead of spinning in the token read); the tokens are those of the default wait."""
+    from replicas.engine import LLMEngine
+    from tests.gpu.conftest import dummy_core, prompts_for, standard_tokens
+
+    spin = dummy_core("small-gpt-oss", torch.float32, 512, max_num_seqs=64, num_kv_blocks=8 * 32 + 64)
+    block = dummy_core("small-gpt-oss", torch.float32, 512, max_num_seqs=64, num_kv_blocks=8 * 32 + 64,
+                       blocking_sync=True)
+    block.model.load_state_dict(spin.model.state_dict())  # the same random weights
+    assert LLMEngine(block).blocking_sync and not LLMEngine(spin).blocking_sync
+    prompts = prompts_for(spin, 8)
+    assert standard_tokens(block, prompts, tokens=32) == standard_tokens(spin, prompts, tokens=32)

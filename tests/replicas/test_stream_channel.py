@@ -55,6 +55,31 @@ def test_frames_reach_their_dispatch_in_order_and_unknown_keys_are_dropped():
     asyncio.run(run())
 
 
+def test_frames_sent_in_one_turn_of_the_loop_go_out_in_one_write_and_arrive_in_order():
+    async def run():
+        listener = StreamListener("127.0.0.1")
+        await listener.start()
+        a, qa = listener.open()
+        b, qb = listener.open()
+        senders = StreamSenders()
+        channel = await _connected(senders, a)
+        await asyncio.gather(  # three readers woken by one step each send their frame in the same turn
+            channel.send(a.key, [GenerationChunk("r1", [1])], False),
+            channel.send(b.key, [GenerationChunk("r2", [7])], False),
+            channel.send(a.key, [GenerationChunk("r1", [2], finish_reason="length")], True),
+        )
+        assert (channel.frames, channel.writes) == (3, 1)
+        first, second = await asyncio.wait_for(qa.get(), 5), await asyncio.wait_for(qa.get(), 5)
+        other = await asyncio.wait_for(qb.get(), 5)
+        assert [first[0][0].token_ids, second[0][0].token_ids, other[0][0].token_ids] == [[1], [2], [7]]
+        assert (first[1], second[1], other[1]) == (False, True, False)
+        await channel.send(a.key, [GenerationChunk("r1", [3])], False)  # a later turn: a write of its own
+        assert senders.stats()["writes"] == 2 and senders.stats()["frames"] == 4
+        await listener.stop()
+
+    asyncio.run(run())
+
+
 def test_a_connection_with_a_wrong_token_is_refused_before_any_frame_is_read():
     async def run():
         listener = StreamListener("127.0.0.1")
