@@ -79,6 +79,7 @@ from ops.telemetry.tracing import (
     setup_tracing,
 )
 from replicas.messages import GenerateRequest, GenerationError
+from replicas.output_processor import with_text
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="persistent-serve", version="0.1.0")
@@ -118,7 +119,7 @@ async def _http_error(_: Request, exc: StarletteHTTPException):
     return _error_response(OpenAIError(str(exc.detail), status=exc.status_code, type_=kind))
 
 
-_SUMMED = ("kv_pages_total", "kv_pages_free", "running", "waiting")
+_SUMMED = ("kv_pages_total", "kv_pages_free", "running", "waiting", "tokens_generated")
 
 
 def _pool_totals(engines: list[dict]) -> dict:
@@ -395,7 +396,9 @@ class OpenAIIngress:
                                  ATTR_GEN_AI_INPUT_TOKENS: sum(len(p_ids) for p_ids, _ in prompts),
                                  ATTR_GEN_AI_MAX_TOKENS: requests[0].params.max_tokens})
             context = trace.set_span_in_context(span)
-            streams = [self.router.generate(request, context, arrival) for request in requests]
+            # the engines send token ids; text and stop strings are made here (replicas.output_processor)
+            streams = [with_text(self.router.generate(request, context, arrival), self.tokenizer, request.params)
+                       for request in requests]
             merged = streams[0] if len(streams) == 1 else merge_prompt_streams(streams, body.n)
             stream = _traced(merged, span, owned)
         except OpenAIError as exc:

@@ -41,10 +41,11 @@ class AdmissionInput:
         has_structured_output: the output is constrained by a grammar (a JSON schema's token mask,
             applied by the standard lane's sampler every token).
         has_stop_strings: the request has stop strings.
-        host_checks_stop_strings: the persistent lane checks stop strings on
-            the host after each quantum and cuts the output there (ours does:
-            ``replicas.stops.accept_tokens``), so stop strings do not keep a
-            request off it; False restores the seed's rule (reason ``stop_strings``).
+        host_checks_stop_strings: stop strings are checked on the host, after
+            each quantum, and the output cut there (ours are: the ingress's output
+            processor, ``replicas.output_processor``, for both lanes), so stop
+            strings do not keep a request off the persistent lane; False restores
+            the seed's rule (reason ``stop_strings``).
         has_stop_token_sequences: the request has multi-token stop sequences.
         kv_transfer: the request imports/exports KV cache.
         committed_tokens: tokens whose KV is in the cache (the prompt length

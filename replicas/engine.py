@@ -13,7 +13,6 @@ from dataclasses import replace
 
 import torch
 
-from replicas.detokenizer import IncrementalDetokenizer
 from replicas.engine_core import (  # noqa: F401 - re-exported: EngineCore's importers from before the split
     EngineCore,
     NullTokenizer,
@@ -37,10 +36,10 @@ from replicas.stops import accept_tokens, stop_token_set
 class _Tracked:
     """Per-sequence bookkeeping of the standard engine (one per choice of an ``n > 1`` request)."""
 
-    __slots__ = ("req", "parent_id", "detok", "generator", "constraint")
+    __slots__ = ("req", "parent_id", "generator", "constraint")
 
-    def __init__(self, req: Request, parent_id: str, detok: IncrementalDetokenizer, generator, constraint=None):
-        self.req, self.parent_id, self.detok, self.generator = req, parent_id, detok, generator
+    def __init__(self, req: Request, parent_id: str, generator, constraint=None):
+        self.req, self.parent_id, self.generator = req, parent_id, generator
         self.constraint = constraint  # a structured output's TokenConstraint, or None
 
 
@@ -68,6 +67,7 @@ class LLMEngine:
         )
         self._tracked: dict[str, _Tracked] = {}
         self._children: dict[str, list[str]] = {}
+        self.tokens_generated = 0  # output tokens sampled (a reader may cut some later, at a stop string)
         # EngineConfig.blocking_sync: one reusable event; the wait sleeps (cudaEventBlockingSync) and drops the GIL
         self._forward_done = (torch.cuda.Event(blocking=True)
                               if cfg.blocking_sync and core.runner.device.type == "cuda" else None)
@@ -95,8 +95,7 @@ class LLMEngine:
                 req.prompt_logprobs = [None]  # nothing predicts the first prompt token
             if leader is None and params.n > 1 and self.core.allocator.enable_prefix_caching:
                 leader = req
-            detok = IncrementalDetokenizer(self.core.tokenizer, p.stop, p.include_stop_str_in_output)
-            self._tracked[seq_id] = _Tracked(req, request_id, detok, make_generator(p, self.core.runner.device),
+            self._tracked[seq_id] = _Tracked(req, request_id, make_generator(p, self.core.runner.device),
                                              constraints[i])
             children.append(seq_id)
             self.scheduler.add(req)
@@ -180,10 +179,10 @@ class LLMEngine:
         req = t.req
         if t.constraint is not None:
             t.constraint.accept(token)
-        accepted = accept_tokens(req, t.detok, [token], self.core.eos_token_ids, self.core.config.max_model_len)
-        finish, text = accepted.finish, accepted.text
-        chunk = GenerationChunk(
-            request_id=t.parent_id, token_ids=[token], text=text,
+        finish = accept_tokens(req, [token], self.core.eos_token_ids, self.core.config.max_model_len).finish
+        self.tokens_generated += 1
+        chunk = GenerationChunk(  # token ids only: text and stop strings are the reader's (replicas.output_processor)
+            request_id=t.parent_id, token_ids=[token],
             finish_reason=finish.value if finish else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens, lane=self.lane,
             index=req.index, logprobs=[logprobs] if logprobs is not None else None,
@@ -263,4 +262,5 @@ class LLMEngine:
             "lane": self.lane, "kv_pages_total": a.num_blocks, "kv_pages_free": a.num_free,
             "kv_pages_cached": a.num_cached, "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting), "num_preemptions": self.scheduler.num_preemptions,
+            "tokens_generated": self.tokens_generated,
         }

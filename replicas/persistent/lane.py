@@ -47,11 +47,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from policy import check_admission, quantum_size
-from replicas.detokenizer import IncrementalDetokenizer
 from replicas.engine_core import EngineCore
 from replicas.kernels.paged_attention import PAGE_SIZE
 from replicas.kv_cache import page_hashes, pages_for
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
+from replicas.output_processor import OutputProcessor
 from replicas.persistent.contract import (
     BackendLaunchError,
     CacheBinding,
@@ -101,7 +101,6 @@ class PersistentRequestState:
     """
 
     req: Request
-    detok: IncrementalDetokenizer
     cancel: threading.Event | None = None
     telemetry: object | None = None
     phase: Phase = Phase.PREFILL
@@ -144,6 +143,7 @@ class PersistentLane:
         self._current: PersistentRequestState | None = None
         self._reference: EagerBackend | None = None
         self.quanta_run = 0
+        self.tokens_generated = 0  # output tokens taken in the engine (a reader may cut some later)
         self.min_tokens_recomputes = 0
         """Positions recomputed on the host because the device's argmax took an id ``min_tokens`` bans there."""
         self.prefix_hit_tokens = 0
@@ -213,8 +213,7 @@ class PersistentLane:
         if not self._reserve_prompt(req):
             return Rejection(req.request_id, "persistent_capacity", lane=LANE, detail="no free KV pages for the prompt")
         self.prefix_hit_tokens += req.num_cached_tokens
-        detok = IncrementalDetokenizer(self.core.tokenizer, req.params.stop, req.params.include_stop_str_in_output)
-        self._current = PersistentRequestState(req, detok, cancel, telemetry)
+        self._current = PersistentRequestState(req, cancel, telemetry)
         return None
 
     def step(self) -> list[Item]:
@@ -248,18 +247,27 @@ class PersistentLane:
         self, request: GenerateRequest, cancel: threading.Event | None = None, telemetry=None
     ) -> Iterator[Item]:
         """Serve one request to the end, built on :meth:`add` and :meth:`step` (benchmarks and tests; the engine
-        actor steps the lane itself). Yields a Rejection, or chunks, or chunks then an error; closing the
-        generator early aborts the request (its pages go back)."""
+        actor steps the lane itself). Yields a Rejection, or chunks, or chunks then an error; the chunks carry
+        their text, made as the served path's reader makes it (:class:`~replicas.output_processor.OutputProcessor`
+        over the engine's tokenizer), and a stop string ends the request as it does there (an abort).
+        Closing the generator early aborts the request (its pages go back)."""
         refused = self.add(request, cancel, telemetry)
         if refused is not None:
             yield refused
             return
+        processor = OutputProcessor(self.core.tokenizer, request.params)
         done = False
         try:
             while not done:
                 for item in self.step():
                     done = done or _is_last(item)
+                    if isinstance(item, GenerationChunk):
+                        item = processor.process(item)
+                        if item is None:
+                            continue
                     yield item
+                    if processor.finished:
+                        return
         finally:
             if not done:
                 self.abort(request.request_id)
@@ -280,12 +288,12 @@ class PersistentLane:
         req.num_computed_tokens = req.num_prompt_tokens
         self._register_pages(req, req.num_prompt_tokens)
         s.phase = Phase.DECODE
-        return [self._emit(req, s.detok, [self._pick(req, logits)])]
+        return [self._emit(req, [self._pick(req, logits)])]
 
     def _decode(self, s: PersistentRequestState) -> list[Item]:
         """One quantum of the request (or its ``abort`` chunk when cancelled)."""
         if s.cancelled:
-            return [self._chunk(s.req, [], "", FinishReason.ABORT)]
+            return [self._chunk(s.req, [], FinishReason.ABORT)]
         return self._quantum_step(s)
 
     def _step_synchronous(self, s: PersistentRequestState) -> list[Item]:
@@ -358,7 +366,7 @@ class PersistentLane:
                 backend.discard_quanta()  # it started from the banned token
                 s.ahead = None
             try:
-                chunk = self._emit_with_ban(req, s.detok, result.emitted_tokens[:banned_at],
+                chunk = self._emit_with_ban(req, result.emitted_tokens[:banned_at],
                                             quantum_request.committed_kv_length + banned_at)
             except Exception as exc:  # noqa: BLE001 - a host forward failed; the decoder is fine
                 s.clean = False
@@ -371,7 +379,7 @@ class PersistentLane:
                 s.ahead = None
             if s.ahead is not None:  # it started from this result's last token
                 s.ahead = (replace(s.ahead[0], pending_token=result.pending_token), s.ahead[1])
-            chunk = self._emit(req, s.detok, result.emitted_tokens)
+            chunk = self._emit(req, result.emitted_tokens)
         if s.fallback and not s.fallback_reported:
             chunk.fallback_reason, s.fallback_reported = s.fallback, True
         return [chunk]
@@ -538,35 +546,36 @@ class PersistentLane:
         banned, room = self._banned_ids(req), req.params.min_tokens - req.num_output_tokens
         return next((j for j, tok in enumerate(tokens[:room]) if tok in banned), None)
 
-    def _emit_with_ban(self, req: Request, detok: IncrementalDetokenizer, head: list[int],
-                       committed: int) -> GenerationChunk:
+    def _emit_with_ban(self, req: Request, head: list[int], committed: int) -> GenerationChunk:
         """Take a quantum's ``head`` (the tokens before a banned one), then recompute the banned position on the
         host: one forward of the model runner over the last taken token (position ``committed``, whose KV the
         quantum already wrote: written again, the same), the ban applied, the argmax taken. The quantum's
         later tokens are dropped; their KV positions are written again by the next quantum before any read."""
-        accepted = accept_tokens(req, detok, head, self.core.eos_token_ids, self.core.config.max_model_len)
-        tokens, text, finish = list(accepted.token_ids), accepted.text, accepted.finish
+        eos, limit = self.core.eos_token_ids, self.core.config.max_model_len
+        accepted = accept_tokens(req, head, eos, limit)
+        tokens, finish = list(accepted.token_ids), accepted.finish
         req.num_computed_tokens = committed
         if finish is None:
             self.min_tokens_recomputes += 1
             logits = self.core.runner.execute([(req, 1)])  # feeds all_token_ids[committed]
             req.num_computed_tokens = committed + 1
-            fixed = accept_tokens(req, detok, [self._pick(req, logits)], self.core.eos_token_ids,
-                                  self.core.config.max_model_len)
-            tokens, text, finish = tokens + fixed.token_ids, text + fixed.text, fixed.finish
-        return self._chunk(req, tokens, text, finish)
+            fixed = accept_tokens(req, [self._pick(req, logits)], eos, limit)
+            tokens, finish = tokens + fixed.token_ids, fixed.finish
+        self.tokens_generated += len(tokens)
+        return self._chunk(req, tokens, finish)
 
-    def _emit(self, req: Request, detok: IncrementalDetokenizer, tokens: list[int]) -> GenerationChunk:
-        """Append tokens, cut at the first that ends the request (EOS, stop id, length or stop string,
-        checked token by token on the host as the standard lane does: ``stops.accept_tokens``),
-        detokenize, and build the chunk. Tokens after the cut are dropped: their KV is beyond the end, in
-        pages the request holds until :meth:`generate` frees them."""
-        accepted = accept_tokens(req, detok, tokens, self.core.eos_token_ids, self.core.config.max_model_len)
-        return self._chunk(req, accepted.token_ids, accepted.text, accepted.finish)
+    def _emit(self, req: Request, tokens: list[int]) -> GenerationChunk:
+        """Append tokens, cut at the first that ends the request (EOS, stop id or length, checked token by
+        token on the host as the standard lane does: ``stops.accept_tokens``), and build the chunk. Tokens
+        after the cut are dropped: their KV is beyond the end, in pages the request holds until it ends.
+        Stop strings are the reader's (``replicas.output_processor``), which ends the stream on one."""
+        accepted = accept_tokens(req, tokens, self.core.eos_token_ids, self.core.config.max_model_len)
+        self.tokens_generated += len(accepted.token_ids)
+        return self._chunk(req, accepted.token_ids, accepted.finish)
 
-    def _chunk(self, req: Request, tokens, text, finish: FinishReason | None) -> GenerationChunk:
-        return GenerationChunk(
-            request_id=req.request_id, token_ids=tokens, text=text,
+    def _chunk(self, req: Request, tokens, finish: FinishReason | None) -> GenerationChunk:
+        return GenerationChunk(  # token ids only: the reader makes the text
+            request_id=req.request_id, token_ids=tokens,
             finish_reason=finish.value if finish else None,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens, lane=LANE,
         )
@@ -578,6 +587,7 @@ class PersistentLane:
             "lane": LANE, "kv_pages_total": a.num_blocks, "kv_pages_free": a.num_free,
             "running": int(self.busy), "waiting": 0, "decoder_healthy": self.healthy,
             "unhealthy_reason": self.unhealthy_reason, "quanta_run": self.quanta_run,
+            "tokens_generated": self.tokens_generated,
             "min_tokens_recomputes": self.min_tokens_recomputes,
             "backend": self.backend.name if self.backend else None,
             "prefix_caching": self.prefix_caching, "kv_pages_cached": a.num_cached,

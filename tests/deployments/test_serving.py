@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.deployments.conftest import HARMONY_MODEL, MODEL
+from tests.deployments.conftest import HARMONY_MODEL, MODEL, pool_stats
 
 pytestmark = pytest.mark.ray
 
@@ -89,6 +89,27 @@ def test_stop_strings_run_on_the_persistent_lane_and_are_honoured(client):
     assert standard.parse().choices[0].message.content == body.choices[0].message.content
     assert body.choices[0].message.content.endswith("capital of France is ")
     assert body.usage == standard.parse().usage
+
+
+def test_a_stop_string_ends_the_request_in_the_engine_too(client, server):
+    """The ingress makes the text and finds stop strings (``replicas.output_processor``); ending the stream
+    there aborts the request in the engine at its next step: it does not decode on to ``max_tokens``."""
+    import time
+
+    for lane in ("persistent", "standard"):
+        before = pool_stats(server)[lane]["tokens_generated"]
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=FRANCE, temperature=0, max_tokens=600, stop=["Paris"],
+            extra_body={"ignore_eos": True}, extra_headers={"x-lane": lane})
+        body = raw.parse()
+        assert raw.headers["x-lane"] == lane
+        assert body.choices[0].finish_reason == "stop" and "Paris" not in body.choices[0].message.content
+        deadline = time.monotonic() + 60
+        while (stats := pool_stats(server)[lane])["running"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        generated = stats["tokens_generated"] - before
+        assert stats["running"] == 0
+        assert body.usage.completion_tokens <= generated < 200, (lane, body.usage, generated)
 
 
 def test_lanes_give_identical_greedy_text(client):

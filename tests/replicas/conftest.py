@@ -54,15 +54,32 @@ def assert_pool_full(core: EngineCore) -> None:
 def run_standard(
     engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]], max_steps: int = 10_000
 ) -> dict[str, list[GenerationChunk]]:
-    """Add every request to ``engine``, step until done, return each request's chunks in order."""
+    """Add every request to ``engine``, step until done, return each request's chunks in order, with their
+    text made as the served path's reader makes it (``replicas.output_processor``): a request that a stop
+    string ended is aborted in the engine then, as closing its stream does. Chunks of requests added to
+    ``engine`` before the call come back as the engine made them (token ids, no text)."""
+    from replicas.output_processor import OutputProcessor
+
+    processors = {}
     for rid, (ids, params) in requests.items():
         engine.add_request(rid, ids, params)
+        processors[rid] = OutputProcessor(engine.core.tokenizer, params)
     chunks: dict[str, list[GenerationChunk]] = defaultdict(list)
     for _ in range(max_steps):
         if not engine.has_unfinished():
             break
         for c in engine.step():
-            chunks[c.request_id].append(c)
+            processor = processors.get(c.request_id)
+            if processor is None:
+                chunks[c.request_id].append(c)
+                continue
+            if processor.finished:
+                continue
+            shown = processor.process(c)
+            if shown is not None:
+                chunks[c.request_id].append(shown)
+            if processor.finished and processor.engine_busy:
+                engine.abort(c.request_id)
     else:
         raise AssertionError(f"engine did not finish within {max_steps} steps")
     return dict(chunks)

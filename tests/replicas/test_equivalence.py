@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from replicas.engine import LLMEngine
+from replicas.output_processor import texts_of
 from replicas.persistent.eager import EagerBackend
 from replicas.persistent.lane import PersistentLane
 from replicas.request import SamplingParams
@@ -71,7 +72,8 @@ def test_standard_lane_batched_matches_transformers(core, tokenizer, prompt_ids,
     assert engine.stats()["running"] == len(PROMPTS)
     rest = run_standard(engine, {})
     for i, ids in enumerate(prompt_ids):
-        chunks = [c for c in first if c.request_id == f"r{i}"] + rest.get(f"r{i}", [])
+        chunks = texts_of([c for c in first if c.request_id == f"r{i}"] + rest.get(f"r{i}", []), tokenizer,
+                          MODES[mode])
         assert tokens_of(chunks) == references[mode][i], f"prompt {i} ({PROMPTS[i]!r})"
         assert all(c.lane == "standard" and len(c.token_ids) == 1 for c in chunks)
         assert chunks[-1].num_prompt_tokens == len(ids)

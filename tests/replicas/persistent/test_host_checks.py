@@ -1,16 +1,16 @@
 """Stop strings on the persistent lane: the same tokens and text as the standard lane.
 
-The persistent lane gets a whole quantum of tokens at once and checks stop
-strings on the host afterwards (``replicas.stops.accept_tokens``, the function
-the standard lane calls per token); it cuts the output at the token that
-completes a stop string and drops the rest of the quantum. These tests put a
-stop string's end at every position of a quantum and check, against the
-standard lane (continuous batching, one token per step):
+The persistent lane sends a whole quantum of tokens at once, the standard lane
+one token per step; the reader of either stream (``replicas.output_processor``)
+makes the text and cuts the output at the token that completes a stop string,
+dropping the rest of the quantum, and ends the stream (the engine aborts the
+request). These tests put a stop string's end at every position of a quantum
+and check, against the standard lane (continuous batching, one token per step):
 
-* host level: the greedy tokens fed to ``accept_tokens`` a quantum at a time
-  give the same tokens, text and finish as fed one at a time, for stops that
-  end at every token, that span two tokens, that overlap text already emitted,
-  with several stops, and with ``include_stop_str_in_output``;
+* reader level: the greedy tokens given to the output processor a quantum at a
+  time give the same tokens, text and finish as given one at a time, for stops
+  that end at every token, that span two tokens, that overlap text already
+  emitted, with several stops, and with ``include_stop_str_in_output``;
 * end to end: both persistent backends (``eager``; ``cuda_graph``'s static
   body on CPU, which launches each quantum behind the one being read, so a cut
   quantum has a follower in flight that must be discarded) give the standard
@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import pytest
 
-from replicas.detokenizer import IncrementalDetokenizer
 from replicas.engine import LLMEngine
-from replicas.messages import GenerateRequest
+from replicas.messages import GenerateRequest, GenerationChunk
+from replicas.output_processor import OutputProcessor
 from replicas.persistent.cuda_graph import CudaGraphBackend
 from replicas.persistent.eager import EagerBackend
 from replicas.persistent.lane import PersistentLane
-from replicas.request import FinishReason, Request, SamplingParams
-from replicas.stops import accept_tokens
+from replicas.request import SamplingParams
 from tests.replicas.conftest import assert_pool_full, run_standard, text_of, tokens_of
 
 LENGTH = 24
@@ -66,22 +65,25 @@ def stops_ending_at(texts: list[str], k: int) -> list[str]:
 
 
 def _host_run(core, tokenizer, tokens: list[int], params: SamplingParams, chunks: list[int]):
-    """Feed ``tokens`` to ``accept_tokens`` in runs of the given sizes; return (tokens, text, finish)."""
-    req = Request("h", [1], params)
-    detok = IncrementalDetokenizer(tokenizer, params.stop, params.include_stop_str_in_output)
-    text, finish, at = "", None, 0
+    """Feed ``tokens`` to an :class:`OutputProcessor` in chunks of the given sizes, as the engines send them (one
+    token per standard step, a quantum per persistent step); return (tokens, text, finish)."""
+    processor = OutputProcessor(tokenizer, params)
+    out, text, finish, at = [], "", None, 0
     for size in chunks:
-        accepted = accept_tokens(req, detok, tokens[at: at + size], core.eos_token_ids, 10_000)
-        text += accepted.text
-        finish = accepted.finish
+        part = tokens[at: at + size]
         at += size
+        chunk = processor.process(GenerationChunk("h", part, finish_reason="length" if at >= len(tokens) else None,
+                                                  num_output_tokens=at))
+        out += chunk.token_ids
+        text += chunk.text
+        finish = chunk.finish_reason
         if finish is not None:
             break
-    return req.output_token_ids, text, finish
+    return out, text, finish
 
 
 @pytest.mark.parametrize("include", [False, True], ids=["cut", "include_stop_str"])
-def test_accept_tokens_per_quantum_equals_per_token(core, tokenizer, references, include):
+def test_stop_strings_per_quantum_equal_per_token(core, tokenizer, references, include):
     """Every stop end position 0..23 (the prefill token, then quanta of 8: every offset inside a quantum),
     several stop shapes, each alone and together with a stop that never matches."""
     cases = 0
@@ -96,14 +98,14 @@ def test_accept_tokens_per_quantum_equals_per_token(core, tokenizer, references,
                     quanta = _host_run(core, tokenizer, tokens, params, [1] + [QUANTUM] * 3)
                     assert quanta == one, (k, stops)
                     out, text, finish = one
-                    assert out == tokens[: k + 1] and finish is FinishReason.STOP, (k, stops)
+                    assert out == tokens[: k + 1] and finish == "stop", (k, stops)
                     cut = texts[k + 1].index(stop) + (len(stop) if include else 0)
                     assert text == texts[k + 1][:cut]
                     cases += 1
     assert cases >= 250  # the shapes really exist at (nearly) every position
 
 
-def test_accept_tokens_without_stop_strings_matches_per_token_text(core, tokenizer, references):
+def test_text_without_stop_strings_per_quantum_equals_per_token(core, tokenizer, references):
     """No stop strings: a quantum is detokenized in one call; the text still equals the per-token text."""
     for _, tokens in references:
         params = SamplingParams(max_tokens=LENGTH, temperature=0.0, ignore_eos=True)
@@ -196,9 +198,10 @@ def test_both_lanes_give_identical_tokens_with_min_tokens(core, tokenizer):
 
 
 def test_a_cut_quantum_registers_only_the_kept_tokens_pages(core, tokenizer):
-    """Prefix caching on the persistent lane: a request cut by a stop string mid-quantum registers its pages
-    below the last kept token only (the dropped tokens' KV is never cached), so the next turn, which finds
-    the kept reply in the cache, decodes what an uncached lane decodes."""
+    """Prefix caching on the persistent lane: a request cut by a stop string mid-quantum (by the reader, which
+    ends the stream) registers the pages of the tokens the engine generated; a page's hash covers its tokens
+    and all before them, so the next turn, whose prompt holds the kept reply only, finds the full pages below
+    the last kept token and no page with a dropped token, and decodes what an uncached lane decodes."""
     from tests.replicas.conftest import chat_ids, greedy_request, small_core
 
     def lane(prefix_caching: bool) -> PersistentLane:
