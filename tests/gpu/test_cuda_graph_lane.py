@@ -138,14 +138,26 @@ def test_host_checks_on_captured_quanta_match_the_standard_lane():
     base = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
     def standard(params_by_id: dict) -> dict:
+        """Each request's (tokens, text, finish) with the text and stop strings the served path's reader makes
+        (``replicas.output_processor``), aborting a request that a stop string ended as closing its stream does."""
+        from replicas.output_processor import OutputProcessor
+
         engine = LLMEngine(core)
+        processors = {}
         for rid, (p, params) in params_by_id.items():
             engine.add_request(rid, p, params)
+            processors[rid] = OutputProcessor(core.tokenizer, params)
         out: dict = {rid: ([], "", None) for rid in params_by_id}
         while engine.has_unfinished():
             for c in engine.step():
+                processor = processors[c.request_id]
+                shown = None if processor.finished else processor.process(c)
+                if shown is None:
+                    continue
                 ids, text, _ = out[c.request_id]
-                out[c.request_id] = (ids + c.token_ids, text + c.text, c.finish_reason)
+                out[c.request_id] = (ids + shown.token_ids, text + shown.text, shown.finish_reason)
+                if processor.finished and processor.engine_busy:
+                    engine.abort(c.request_id)
         return out
 
     ref = standard({f"r{i}": (p, base) for i, p in enumerate(prompts)})

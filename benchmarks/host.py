@@ -1,0 +1,116 @@
+"""Where the standard engine's time per output token goes, outside the model: the host work of a step.
+
+One in-process :class:`~replicas.engine.LLMEngine` (no Ray, no Serve) decodes ``C`` concurrent requests of
+``--max-tokens`` tokens each (chat-templated prompts, ``ignore_eos``). Each step's wall time is split into
+three parts by timing the engine's own calls:
+
+* ``forward``: :meth:`ModelRunner.execute` (on a GPU it returns once the work is queued; the wait for the GPU
+  then lands in ``sample``);
+* ``sample``: :func:`replicas.sampler.sample_rows`, with the read of the sampled tokens (on a GPU, the sync);
+  on a CPU it is mostly the random draws of sampled rows (a multinomial over the vocabulary per row);
+* ``host``: the rest of the step: scheduling, page accounting, step inputs, stop checks, the chunks.
+
+``host`` is the engine's Python per token that no kernel speeds up (the number issue 33's "per-token Python
+in the engine loop" is about). Run it at the base commit and at ``HEAD`` to compare.
+
+Usage: ``python -m benchmarks.host --concurrency 8 32 --sampling greedy sampled --results benchmarks/results``
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def measure(core, concurrency: int, max_tokens: int, temperature: float, prompts: list[list[int]]) -> dict:
+    """One run: ``concurrency`` requests of ``max_tokens`` tokens added at once, stepped until done.
+
+    Returns:
+        ``{"tokens", "steps", "forward_ms_per_token", "sample_ms_per_token", "host_ms_per_token"}``.
+    """
+    import replicas.engine as engine_module
+    from replicas.engine import LLMEngine
+    from replicas.request import SamplingParams
+
+    engine = LLMEngine(core)
+    spent = {"forward": 0.0, "sample": 0.0}
+    execute, sample_rows = core.runner.execute, engine_module.sample_rows
+
+    def timed(part, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - start
+        return run
+
+    core.runner.execute = timed("forward", execute)
+    engine_module.sample_rows = timed("sample", sample_rows)
+    try:
+        for i in range(concurrency):
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+            engine.add_request(f"r{i}", prompts[i % len(prompts)], params)
+        tokens = steps = 0
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            tokens += len(engine.step())
+            steps += 1
+        total = time.perf_counter() - start
+    finally:
+        core.runner.execute = execute
+        engine_module.sample_rows = sample_rows
+    host = total - spent["forward"] - spent["sample"]
+    return {"tokens": tokens, "steps": steps,
+            "forward_ms_per_token": round(spent["forward"] * 1e3 / tokens, 4),
+            "sample_ms_per_token": round(spent["sample"] * 1e3 / tokens, 4),
+            "host_ms_per_token": round(host * 1e3 / tokens, 4)}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="engine model (default: the embedded one)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--sampling", nargs="+", choices=("greedy", "sampled"), default=["greedy", "sampled"],
+                   help="greedy (temperature 0) and/or sampled (temperature 0.7, unseeded)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="runs per row (the median host time is kept)")
+    p.add_argument("--label", default=None, help="what this run measures (e.g. the commit's change), in each row")
+    p.add_argument("--results", default=None, help="folder for the result JSON (e.g. benchmarks/results)")
+    args = p.parse_args(argv)
+
+    from replicas.config import EngineConfig
+    from replicas.engine import EngineCore
+
+    fields = {"device": args.device, "progress": False, "max_num_seqs": max(args.concurrency)}
+    if args.model:
+        fields["model"] = args.model
+    core = EngineCore.load(EngineConfig(**fields))
+    questions = ("What is the capital of France?", "Tell me about the sea.", "Name three colors.",
+                 "How do birds fly?", "Explain what a CPU does.", "Write a haiku about rain.")
+    prompts = [list(core.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                        tokenize=True)["input_ids"]) for q in questions]
+    measure(core, 4, 4, 0.0, prompts)  # warm-up
+    rows = []
+    for sampling in args.sampling:
+        for c in args.concurrency:
+            runs = [measure(core, c, args.max_tokens, 0.0 if sampling == "greedy" else 0.7, prompts)
+                    for _ in range(args.repeats)]
+            run = sorted(runs, key=lambda r: r["host_ms_per_token"])[len(runs) // 2]
+            row = {"shape": core.config.name, "lane": "standard", "concurrency": c, "sampling": sampling,
+                   **run, "label": args.label,
+                   "host_ms_per_token_runs": [r["host_ms_per_token"] for r in runs]}
+            rows.append(row)
+            print(row)
+    if args.results:
+        from benchmarks.results import write_result
+
+        notes = ("Wall time per output token of one in-process standard engine, split by timing ModelRunner.execute "
+                 "(forward) and sample_rows (sample, with the token read); host is the rest of the step.")
+        print(f"wrote {write_result('engine_host', rows, args.results, notes=notes, tag=args.label)}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
