@@ -226,6 +226,47 @@ def _ray_processes() -> dict[int, str]:
     return out
 
 
+def profile_engine(seconds: float, out_path, delay_s: float = 0.0, rate: int = 200, top: int = 40) -> dict:
+    """Sample the busiest engine actor's Python stacks with ``py-spy`` for ``seconds`` (after ``delay_s``), every
+    thread, idle frames included (a thread spinning in a CUDA sync shows as the call that waits).
+
+    Writes py-spy's raw stacks to ``out_path`` and returns ``{"pid", "samples", "top": [(share, frame), ...]}``:
+    each frame's share of the samples whose stack holds it (inclusive), most first; or ``{"error": ...}`` when
+    py-spy is missing or cannot attach (it needs ptrace rights on the process)."""
+    import collections
+    import shutil
+    import subprocess
+
+    import psutil
+
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return {"error": "py-spy not installed"}
+    time.sleep(delay_s)
+    engines = [psutil.Process(pid) for pid, role in _ray_processes().items() if role == "EngineActor"]
+    if not engines:
+        return {"error": "no engine actor"}
+    for proc in engines:
+        proc.cpu_percent()
+    time.sleep(1.0)
+    busiest = max(engines, key=lambda proc: proc.cpu_percent())
+    cmd = [exe, "record", "--pid", str(busiest.pid), "--duration", str(int(seconds)), "--rate", str(rate),
+           "--format", "raw", "--idle", "--nonblocking", "--output", str(out_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    if done.returncode != 0:
+        return {"error": f"py-spy rc {done.returncode}: {done.stderr[-300:]}"}
+    inclusive: collections.Counter = collections.Counter()
+    total = 0
+    with open(out_path) as f:
+        for line in f:
+            stack, _, n = line.rstrip().rpartition(" ")
+            total += int(n)
+            for frame in set(stack.split(";")):
+                inclusive[frame] += int(n)
+    return {"pid": busiest.pid, "samples": total,
+            "top": [(round(n / max(total, 1), 3), frame) for frame, n in inclusive.most_common(top)]}
+
+
 def cpu_per_token(base: str, model: str, concurrency: int, requests: int, max_tokens: int,
                   lane: str = "standard", prompt_token_ids: list[int] | None = None) -> dict:
     """CPU time each serving process spends per output token while ``requests`` streamed requests run at

@@ -284,7 +284,10 @@ def ttft_breakdown(recipe: Recipe, base: str, model: str, served: str, vocab: in
     ids on the GPT-OSS shapes (one prompt, so after the first request its prefill is a prefix-cache hit).
     Then each serving process's CPU time per output token on the standard lane at c=8 and c=32
     (:func:`benchmarks.hops.cpu_per_token`, 64-token completions)."""
-    from benchmarks.hops import breakdown, cpu_per_token
+    import concurrent.futures
+    import re
+
+    from benchmarks.hops import breakdown, cpu_per_token, profile_engine
 
     prompt = None
     if model != "smollm2":
@@ -295,8 +298,15 @@ def ttft_breakdown(recipe: Recipe, base: str, model: str, served: str, vocab: in
     if prompt is None:
         prompt = run_prompts("cpu per token", 1, 256, vocab)[0][0]
     for c in (8, 32):  # which process's CPU bounds the tokens per second the app can stream
+        profile = None
+        if c == 32:  # the engine actor's stacks while the measured run streams (after the warm-up run)
+            profile = concurrent.futures.ThreadPoolExecutor(1).submit(
+                profile_engine, 8, recipe.out / f"py-spy-{re.sub(r'[^A-Za-z0-9]+', '-', served)}-c32.txt", 6)
         out[f"cpu_per_token c={c}"] = row = cpu_per_token(base, served, c, 4 * c, 64, prompt_token_ids=prompt)
         log(f"  CPU per output token, standard c={c}: {json.dumps(row)}")
+        if profile is not None:
+            out["engine_profile c=32"] = found = profile.result()
+            log(f"  engine actor py-spy, c=32: {json.dumps(found)[:3000]}")
     return out
 
 
@@ -674,7 +684,7 @@ def report(results: dict) -> str:
                       "| lane | " + " | ".join(SEGMENTS) + " | TTFT | later chunks' way back |",
                       "|---|" + "---|" * (len(SEGMENTS) + 2)]
             for lane, row in res["breakdown"].items():
-                if lane.startswith("cpu_per_token"):
+                if lane.startswith(("cpu_per_token", "engine_profile")):
                     continue
                 lines.append(f"| {lane} | " + " | ".join(str(row.get(k, "-")) for k in SEGMENTS)
                              + f" | {row.get('ttft', '-')} | {row.get('per_chunk_back', '-')} |")
@@ -682,6 +692,8 @@ def report(results: dict) -> str:
             for key, row in res["breakdown"].items():
                 if key.startswith("cpu_per_token"):
                     lines.append(f"- CPU ms per output token, standard lane {key.split()[-1]}: {json.dumps(row)}")
+                if key.startswith("engine_profile"):
+                    lines.append(f"- engine actor stacks (py-spy, c=32, inclusive share): {json.dumps(row)[:2000]}")
             lines.append("")
         if res.get("burst"):
             from benchmarks.hops import SEGMENTS

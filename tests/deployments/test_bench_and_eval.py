@@ -106,3 +106,19 @@ def test_cpu_per_token_names_each_serving_process_and_counts_every_token(server)
     assert row["concurrency"] == 2 and row["output_tok_s"] > 0 and row["chunks_per_token"] == 1.0, row
     for role in ("ProxyActor", "OpenAIIngress", "StandardReplica", "EngineActor"):
         assert row[role] > 0, row
+
+
+def test_profile_engine_samples_the_busy_engine_actor_s_stacks(server, tmp_path):
+    """``benchmarks.hops.profile_engine`` while streams run: py-spy's stacks of the engine actor that serves them
+    show its engine loop stepping the standard lane."""
+    import concurrent.futures
+
+    from benchmarks.hops import cpu_per_token, profile_engine
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        found = pool.submit(profile_engine, 3, tmp_path / "stacks.txt")
+        cpu_per_token(server, "smollm2-135m-instruct", 4, 16, 48)
+        found = found.result()
+    assert "error" not in found, found
+    assert found["samples"] > 0 and (tmp_path / "stacks.txt").stat().st_size > 0
+    assert any("_engine_loop" in frame for _, frame in found["top"]), found["top"][:10]
