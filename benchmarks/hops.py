@@ -324,6 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--breakdown", type=int, default=0, help="streamed requests per lane for the TTFT breakdown")
     p.add_argument("--burst", type=int, default=0, metavar="C",
                    help="first, C concurrent streamed requests (standard lane) and each one's segments")
+    p.add_argument("--burst-lanes", default="standard",
+                   help="with --burst, the x-lane header of each burst in turn, e.g. persistent,standard,persistent,"
+                        "standard (persistent: the router's normal choice; standard: forced)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per breakdown request")
     p.add_argument("--cpu-per-token", type=int, default=0, metavar="C",
                    help="also measure each process's CPU time per output token at concurrency C (standard lane)")
@@ -378,10 +381,15 @@ def main(argv: list[str] | None = None) -> None:
                 out["http_1_token"].append(time.perf_counter() - t)
         return out
 
-    if args.burst:
-        print(f"\nFirst burst: {args.burst} concurrent streamed requests, {args.max_tokens} tokens (ms)")
-        for row in burst(base, receiver, model, args.burst, args.max_tokens):
+    for i, lane in enumerate(args.burst_lanes.split(",") if args.burst else ()):
+        # x-lane persistent is the router's normal choice (auto); standard forces the standard lane
+        print(f"\nBurst {i + 1} ({'first' if i == 0 else 'later'}; x-lane {lane}): {args.burst} concurrent "
+              f"streamed greedy requests, {args.max_tokens} tokens (ms)")
+        rows = burst(base, receiver, model, args.burst, args.max_tokens, lane=lane)
+        for row in rows:
             print("  " + json.dumps(row))
+        print(f"  median TTFT {statistics.median(r['ttft'] for r in rows):.1f} ms; lanes "
+              f"{sorted(r['lane'] for r in rows)}")
     if args.iters:
         results = asyncio.run(run())
         print(f"\nRay hop latency ({args.iters} iterations, local cluster)")
