@@ -75,8 +75,8 @@ ingress's ``/debug/stats`` can find them (see :func:`engine_actor_stats`)."""
 
 
 STATS_TIMEOUT_S = 1.0
-"""How long ``/debug/stats``, the autoscaling metric and the router's pool reads wait for one engine's
-stats; one that does not answer this fast (dead, restarting, or still loading its model) is left out."""
+"""How long ``/debug/stats`` waits for one engine's stats (one that does not answer this fast, dead, restarting
+or still loading its model, is left out), and the autoscaling metric for the pool board's snapshot."""
 COLOCATED_DRAIN_S = 30.0
 """A co-located replica whose persistent decoder failed fails its health check (so Serve replaces it)
 once its standard lane is idle, or this many seconds after the failure."""

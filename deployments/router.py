@@ -169,7 +169,7 @@ class Router:
 
     def stats(self) -> dict:
         """Router counters, the pool as seen (:meth:`PoolView.stats`) and spillover estimates for ``/debug/stats``."""
-        return {"persistent_in_flight": self.in_flight, "spillovers": self.spillovers,
+        return {"router_id": self.caller[0] if self.caller else None, "persistent_in_flight": self.in_flight, "spillovers": self.spillovers,
                 "direct_stream": self.streams.stats(), "overloaded": self.overloaded, "served": dict(self.served),
                 **self.pool.stats(), "estimates": self.estimator.snapshot()}
 

@@ -10,12 +10,13 @@ import asyncio
 import itertools
 import secrets
 import statistics
+import threading
 import time
 
 import httpx
 import pytest
 
-from tests.deployments.conftest import MODEL, pool_stats
+from tests.deployments.conftest import MODEL, extra_app, pool_stats
 
 pytestmark = pytest.mark.ray
 
@@ -164,3 +165,47 @@ def test_c8_greedy_on_auto_one_persistent_the_rest_spilled(server):
           f"forced {1e3 * f:.0f} ms ({100 * (a / f - 1):+.1f}%); lanes on auto: {lanes[-1]}")
     assert all(seen.count("persistent") >= 1 for seen in lanes), lanes  # the persistent replica served one
     assert pool_stats(server)["router"]["spillovers"] - before >= 3 * 6
+
+
+def _pool_views(base: str, want, deadline: float) -> dict[str, list[dict]]:
+    """Poll ``/debug/stats`` (each answered by one ingress, at random) until every router seen so far, and at
+    least two, shows a persistent pool for which ``want(records)`` holds; the last records per router."""
+    seen: dict[str, list[dict]] = {}
+    while True:
+        router = pool_stats(base)["router"]
+        seen[router["router_id"]] = router["pool"]
+        if len(seen) >= 2 and all(want(records) for records in seen.values()):
+            return seen
+        assert time.monotonic() < deadline, f"routers' views never matched: {seen}"
+        time.sleep(0.05)
+
+
+def test_a_load_record_reaches_both_ingress_routers_when_a_persistent_request_starts_and_ends(server, otlp):
+    """Two ingress replicas: while one greedy request streams on the persistent replica, both routers' views of
+    the pool show its engine holding it (the engine pushed its record, the board passed it on); once the
+    client goes away and the request ends, both show the engine free again. Nothing polls the engines: the
+    routers' views change only by the records pushed to them."""
+    with extra_app(server, otlp, "pushed", ingress_replicas=2, max_model_len=2048, num_kv_blocks=256) as base:
+        first, done = threading.Event(), threading.Event()
+
+        def stream() -> None:
+            body = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 1900, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
+                assert r.headers["x-lane"] == "persistent", r.headers
+                for _ in r.iter_lines():
+                    first.set()
+                    if done.is_set():
+                        return  # the client goes away: the request ends
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert first.wait(120), "no first chunk"
+        try:
+            busy = _pool_views(base, lambda records: [r["running"] for r in records] == [1], time.monotonic() + 60)
+        finally:
+            done.set()
+            reader.join(60)
+        assert all(len(records[0]["request_ids"]) == 1 for records in busy.values()), busy
+        free = _pool_views(base, lambda records: [r["running"] for r in records] == [0], time.monotonic() + 60)
+        assert all(records[0]["decoder_healthy"] for records in free.values()), free
