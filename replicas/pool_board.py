@@ -1,7 +1,8 @@
 """The pool board: where an application's engines push their load records and its routers watch them.
 
 One board per Serve application, a small named Ray actor (:class:`PoolBoard`, ``num_cpus=0``, detached so
-that no single engine or ingress owns it; created by whichever comes first, :func:`board_actor`). Engines push
+that no single engine or ingress owns it, restarted by Ray if its node goes; created by whichever comes first,
+:func:`board_actor`). A restarted board is empty until the engines' next heartbeats. Engines push
 a :class:`~policy.pool.LoadRecord` on every change of the requests they hold, and a heartbeat every
 ``HEARTBEAT_S`` (:class:`LoadPublisher`); the board keeps the newest record per engine, drops an engine not
 heard from for ``RECORD_TTL_S`` (dead, or its replica replaced), and answers routers' long polls
@@ -28,9 +29,9 @@ logger = logging.getLogger(__name__)
 BOARD_PREFIX = "persistent-serve-pool@"
 """The board of application ``app`` is the named actor ``<prefix><app>``."""
 
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 2.0
 """Seconds between an engine's heartbeat records (its load unchanged)."""
-RECORD_TTL_S = 3.0
+RECORD_TTL_S = 10.0
 """A record not renewed for this long is dropped: the engine died, or its replica was replaced."""
 WATCH_TIMEOUT_S = 5.0
 """Longest a router's long poll waits for a change before asking again (so a dead board is noticed)."""
@@ -50,7 +51,7 @@ class PoolBoard:
 
     def __init__(self, ttl_s: float = RECORD_TTL_S):
         self.ttl_s = ttl_s
-        self.version = 0
+        self.version = int(time.time() * 1000)  # a restarted board starts past any version a router holds
         self._records: dict[str, LoadRecord] = {}
         self._heard: dict[str, float] = {}  # engine id -> time.monotonic() of its last record here
         self._changed: asyncio.Event | None = None
@@ -116,7 +117,7 @@ def board_actor(name: str):
     import ray
 
     return ray.remote(PoolBoard).options(name=name, get_if_exists=True, lifetime="detached", num_cpus=0,
-                                         max_concurrency=10_000).remote()
+                                         max_restarts=-1, max_concurrency=10_000).remote()
 
 
 class LoadPublisher:
