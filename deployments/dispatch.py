@@ -165,6 +165,7 @@ class Dispatch:
             if self._queue is None:
                 async with contextlib.aclosing(ray_items) as stream:
                     async for item in stream:
+                        self._ended = isinstance(item, (Rejection, GenerationError))  # either ends the request
                         yield item
                 self._ended = True
                 return

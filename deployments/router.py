@@ -329,6 +329,8 @@ class Router:
                         break
                     yield item
         finally:
+            if dispatch is not None:
+                dispatch.close()  # no-op once its items ended; else the Serve call is cancelled
             self.pool.release(request.request_id)
         if rejected is None:
             yield _Outcome(done=True)
