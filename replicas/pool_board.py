@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 BOARD_PREFIX = "persistent-serve-pool@"
 """The board of application ``app`` is the named actor ``<prefix><app>``."""
 
+BOARD_NAMESPACE = "persistent-serve"
+"""Ray namespace of every board (Serve's replicas and the actors they create may run in different job
+namespaces; one fixed namespace makes them all find the same board)."""
+
 HEARTBEAT_S = 2.0
 """Seconds between an engine's heartbeat records (its load unchanged)."""
 RECORD_TTL_S = 10.0
@@ -112,21 +116,22 @@ class PoolBoard:
 
 
 def board_actor(name: str):
-    """The handle of board ``name`` in this job's namespace, created if it does not exist (blocking GCS calls:
-    off the event loop). Engines and routers all call this, whichever starts first creates it."""
+    """The handle of board ``name`` (in namespace ``BOARD_NAMESPACE``), created if it does not exist (blocking
+    GCS calls: off the event loop). Engines and routers all call this, whichever starts first creates it."""
     import ray
 
-    return ray.remote(PoolBoard).options(name=name, get_if_exists=True, lifetime="detached", num_cpus=0,
-                                         max_restarts=-1, max_concurrency=10_000).remote()
+    return ray.remote(PoolBoard).options(name=name, namespace=BOARD_NAMESPACE, get_if_exists=True,
+                                         lifetime="detached", num_cpus=0, max_restarts=-1,
+                                         max_concurrency=10_000).remote()
 
 
 class LoadPublisher:
     """An engine's side: pushes its load records to its application's board.
 
     ``take_record`` builds the engine's current record (called from the actor's event loop or the heartbeat
-    thread). :meth:`publish` is fire-and-forget; after a failed push (the board gone) the next heartbeat looks
-    the board up again (creating it if need be). :meth:`start` pushes one record and waits for it (the engine is then on the board before its
-    replica reports ready) and starts the heartbeat thread.
+    thread). :meth:`publish` is fire-and-forget; after a failed push (the board gone) the next heartbeat
+    looks the board up again (creating it if need be). :meth:`start` pushes one record and waits for it (the
+    engine is then on the board before its replica reports ready) and starts the heartbeat thread.
 
     Args:
         name: the board's name (:func:`board_name`).
@@ -143,6 +148,8 @@ class LoadPublisher:
         self.failures = 0
 
     def start(self, timeout_s: float = 10.0) -> None:
+        """Push the first record (waiting at most ``timeout_s``; a failure is logged, not raised) and start the
+        heartbeat thread."""
         import ray
 
         try:

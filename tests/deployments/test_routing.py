@@ -167,24 +167,29 @@ def test_c8_greedy_on_auto_one_persistent_the_rest_spilled(server):
     assert pool_stats(server)["router"]["spillovers"] - before >= 3 * 6
 
 
-def _pool_views(base: str, want, deadline: float) -> dict[str, list[dict]]:
-    """Poll ``/debug/stats`` (each answered by one ingress, at random) until every router seen so far, and at
-    least two, shows a persistent pool for which ``want(records)`` holds; the last records per router."""
-    seen: dict[str, list[dict]] = {}
+def _pool_views(base: str, want, deadline: float, every: bool = True) -> dict[str, dict]:
+    """Poll ``/debug/stats`` (each answered by one ingress) until the last ``router`` stats of both routers
+    satisfy ``want`` (``every``), or one answer does (not ``every``); the last stats by router id."""
+    seen: dict[str, dict] = {}
     while True:
         router = pool_stats(base)["router"]
-        seen[router["router_id"]] = router["pool"]
-        if len(seen) >= 2 and all(want(records) for records in seen.values()):
+        seen[router["router_id"]] = router
+        if (len(seen) == 2 and all(want(r) for r in seen.values())) if every else want(router):
             return seen
         assert time.monotonic() < deadline, f"routers' views never matched: {seen}"
         time.sleep(0.05)
 
 
-def test_a_load_record_reaches_both_ingress_routers_when_a_persistent_request_starts_and_ends(server, otlp):
-    """Two ingress replicas: while one greedy request streams on the persistent replica, both routers' views of
-    the pool show its engine holding it (the engine pushed its record, the board passed it on); once the
-    client goes away and the request ends, both show the engine free again. Nothing polls the engines: the
-    routers' views change only by the records pushed to them."""
+def _running(router: dict) -> list[int]:
+    return [record["running"] for record in router["pool"]]
+
+
+def test_a_load_record_reaches_the_other_ingress_router_when_a_persistent_request_starts_and_ends(server, otlp):
+    """Two ingress replicas: while one greedy request streams on the persistent replica, the router that did
+    not send it (no persistent request in flight) sees the engine hold it (the engine pushed its record, the
+    board passed it on); once the client goes away and the request ends, both routers see the engine free
+    again. Nothing polls the engines: the routers' views change only by the records pushed to them. (While the
+    stream runs, Serve's proxy sends ``/debug/stats`` to the less loaded ingress: the other one.)"""
     with extra_app(server, otlp, "pushed", ingress_replicas=2, max_model_len=2048, num_kv_blocks=256) as base:
         first, done = threading.Event(), threading.Event()
 
@@ -202,10 +207,12 @@ def test_a_load_record_reaches_both_ingress_routers_when_a_persistent_request_st
         reader.start()
         assert first.wait(120), "no first chunk"
         try:
-            busy = _pool_views(base, lambda records: [r["running"] for r in records] == [1], time.monotonic() + 60)
+            other = _pool_views(base, lambda r: r["persistent_in_flight"] == 0 and _running(r) == [1],
+                                time.monotonic() + 60, every=False)
         finally:
             done.set()
             reader.join(60)
-        assert all(len(records[0]["request_ids"]) == 1 for records in busy.values()), busy
-        free = _pool_views(base, lambda records: [r["running"] for r in records] == [0], time.monotonic() + 60)
-        assert all(records[0]["decoder_healthy"] for records in free.values()), free
+        view = next(r for r in other.values() if r["persistent_in_flight"] == 0 and _running(r) == [1])
+        assert len(view["pool"][0]["request_ids"]) == 1 and view["persistent_free"] == 0, view
+        free = _pool_views(base, lambda r: _running(r) == [0] and r["persistent_free"] == 1, time.monotonic() + 60)
+        assert len(free) == 2 and all(r["pool"][0]["decoder_healthy"] for r in free.values()), free
