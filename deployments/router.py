@@ -168,7 +168,11 @@ class Router:
         )
 
     def stats(self) -> dict:
-        """Router counters, the pool as seen (:meth:`PoolView.stats`) and spillover estimates for ``/debug/stats``."""
+        """Router counters, the pool as seen (:meth:`PoolView.stats`) and spillover estimates for ``/debug/stats``.
+
+        Starts the pool view if nothing did yet (it starts on the router's first request or readiness probe;
+        with several ingress replicas one may be asked for its stats before either): call on the event loop."""
+        self.pool.start()
         return {"router_id": self.caller[0] if self.caller else None, "persistent_in_flight": self.in_flight, "spillovers": self.spillovers,
                 "direct_stream": self.streams.stats(), "overloaded": self.overloaded, "served": dict(self.served),
                 **self.pool.stats(), "estimates": self.estimator.snapshot()}
