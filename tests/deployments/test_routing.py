@@ -192,12 +192,17 @@ def test_a_load_record_reaches_the_other_ingress_router_when_a_persistent_reques
     stream runs, Serve's proxy sends ``/debug/stats`` to the less loaded ingress: the other one.)"""
     with extra_app(server, otlp, "pushed", ingress_replicas=2, max_model_len=2048, num_kv_blocks=256) as base:
         first, done = threading.Event(), threading.Event()
+        answer: dict = {}
 
         def stream() -> None:
             body = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 1900, "ignore_eos": True,
                     "stream": True}
             with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
-                assert r.headers["x-lane"] == "persistent", r.headers
+                answer.update(status=r.status_code, lane=r.headers.get("x-lane"))
+                if r.status_code != 200:
+                    answer["body"] = r.read().decode()
+                    first.set()
+                    return
                 for _ in r.iter_lines():
                     first.set()
                     if done.is_set():
@@ -206,6 +211,7 @@ def test_a_load_record_reaches_the_other_ingress_router_when_a_persistent_reques
         reader = threading.Thread(target=stream, daemon=True)
         reader.start()
         assert first.wait(120), "no first chunk"
+        assert answer["status"] == 200 and answer["lane"] == "persistent", answer
         try:
             other = _pool_views(base, lambda r: r["persistent_in_flight"] == 0 and _running(r) == [1],
                                 time.monotonic() + 60, every=False)
