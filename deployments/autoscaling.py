@@ -7,7 +7,8 @@ persistent replica reports a custom autoscaling metric (Serve's ``record_autosca
 
 ``eligible_demand`` = persistent requests running + eligible requests the standard lane is serving
 because of persistent capacity (``GenerateRequest.spilled``), summed over the whole application
-(``deployments.replicas.eligible_demand``).
+(``deployments.replicas.eligible_demand``: one snapshot of the load records the engines push to the
+application's pool board, read through ``policy.pool.PoolModel.eligible_demand``).
 
 Every replica reports the same application-wide number (read at slightly different times), so the
 policy takes the largest of their windowed values, and at least Serve's own count of ongoing and

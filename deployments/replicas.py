@@ -25,9 +25,11 @@ weights, one KV page pool): ``generate`` is its standard entry, ``generate_persi
 persistent one. After a persistent failure it keeps serving the standard lane and fails its health
 check once that lane is idle, or ``COLOCATED_DRAIN_S`` after the failure, whichever comes first.
 
-Persistent replicas report ``eligible_demand`` to Serve's autoscaler (``record_autoscaling_stats``):
+Every engine pushes its load record (:class:`policy.pool.LoadRecord`) to the application's pool board
+(:mod:`replicas.pool_board`); the routers watch it (:mod:`deployments.pool_view`). Persistent replicas
+report ``eligible_demand`` to Serve's autoscaler (``record_autoscaling_stats``), read from the same board:
 the persistent requests running plus the eligible requests the routers spilled to the standard lane
-(``deployments.autoscaling`` scales the pool on it).
+(``deployments.autoscaling`` scales the pool on it). A replica's health check reads its own engine's record.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ from ops.telemetry.tracing import (
     inject_context,
     setup_tracing,
 )
+from policy.pool import PoolModel
 from replicas.engine_actor import EngineActor
 from replicas.messages import GenerateRequest, GenerationError, Rejection, Started
+from replicas.pool_board import board_actor, board_name
 
 ENGINE_MAX_RESTARTS = 3
 """How many times Ray restarts a replica's engine actor in place after its process died; after that
@@ -71,8 +75,8 @@ ingress's ``/debug/stats`` can find them (see :func:`engine_actor_stats`)."""
 
 
 STATS_TIMEOUT_S = 1.0
-"""How long ``/debug/stats``, the autoscaling metric and the router's pool reads wait for one engine's
-stats; one that does not answer this fast (dead, restarting, or still loading its model) is left out."""
+"""How long ``/debug/stats`` waits for one engine's stats (one that does not answer this fast, dead, restarting
+or still loading its model, is left out), and the autoscaling metric for the pool board's snapshot."""
 COLOCATED_DRAIN_S = 30.0
 """A co-located replica whose persistent decoder failed fails its health check (so Serve replaces it)
 once its standard lane is idle, or this many seconds after the failure."""
@@ -130,13 +134,15 @@ class _EngineReplica:
         pg = get_current_placement_group()
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1) if pg else None
         actor_cls = ray.remote(EngineActor)
+        self.app_name = serve.get_replica_context().app_name
         self.actor = actor_cls.options(
             num_cpus=engine_num_cpus, num_gpus=engine_num_gpus, scheduling_strategy=strategy,
-            max_concurrency=1000, name=engine_actor_name(self.lane, serve.get_replica_context().app_name),
+            max_concurrency=1000, name=engine_actor_name(self.lane, self.app_name),
             max_restarts=ENGINE_MAX_RESTARTS, max_task_retries=0,  # in-flight requests fail; new ones wait
         ).remote(
             config.engine, self.lane, config.persistent_decoder.value, config.persistent_backend,
             config.persistent_decoder_checkpoint, config.persistent_fault_injection, tracing=config.tracing,
+            load_board=board_name(self.app_name),
         )
         # Block construction until the engine is loaded: a failed load fails the replica (and,
         # with --persistent-decoder required, the app) with the engine's own message.
@@ -246,18 +252,19 @@ class _EngineReplica:
         }
 
     async def check_health(self) -> None:
-        stats = await self.actor.stats.remote()
-        if stats.get("backend") and not stats.get("decoder_healthy", True):
-            raise RuntimeError(f"persistent decoder unhealthy: {stats.get('unhealthy_reason')}")
+        """Serve's health check: fails once this replica's persistent decoder was marked unhealthy (its engine's
+        :class:`~policy.pool.LoadRecord`)."""
+        record = await self.actor.load.remote()
+        if record.decoder_failed:
+            raise RuntimeError(f"persistent decoder unhealthy: {record.unhealthy_reason}")
 
 
-async def eligible_demand(app: str) -> float:
-    """Eligible requests of ``app`` now: persistent requests running plus requests spilled to the standard
-    lane for capacity (read from the engines directly, as ``/debug/stats`` does)."""
-    persistent, standard = await asyncio.gather(engine_actor_stats("persistent", app, STATS_TIMEOUT_S),
-                                                engine_actor_stats("standard", app, STATS_TIMEOUT_S))
-    return float(sum(int(e.get("running", 0)) for e in persistent)
-                 + sum(int(e.get("spilled_running", 0)) for e in standard))
+async def eligible_demand(board) -> float:
+    """Eligible requests of the application whose pool board is ``board`` (a :func:`board_actor` handle):
+    persistent requests running plus requests spilled to the standard lane for capacity
+    (:meth:`policy.pool.PoolModel.eligible_demand` over the engines' pushed records)."""
+    _, records = await asyncio.wait_for(board.snapshot.remote(), STATS_TIMEOUT_S)
+    return PoolModel(records).eligible_demand()
 
 
 @serve.deployment(name="PersistentReplica", max_ongoing_requests=1, health_check_period_s=5)
@@ -266,11 +273,19 @@ class PersistentReplica(_EngineReplica):
 
     lane = "persistent"
 
+    def __init__(self, config, engine_num_cpus: float, engine_num_gpus: float):
+        super().__init__(config, engine_num_cpus, engine_num_gpus)
+        self._board = board_actor(board_name(self.app_name))
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metric ``eligible_demand`` (read by ``deployments.autoscaling``)."""
         from deployments.autoscaling import ELIGIBLE_DEMAND
 
-        return {ELIGIBLE_DEMAND: await eligible_demand(serve.get_replica_context().app_name)}
+        try:
+            return {ELIGIBLE_DEMAND: await eligible_demand(self._board)}
+        except Exception:  # noqa: BLE001 - board gone or slow: this round scales on Serve's own count
+            self._board = await asyncio.to_thread(board_actor, board_name(self.app_name))
+            return {}
 
 
 @serve.deployment(name="StandardReplica", max_ongoing_requests=64, health_check_period_s=10)
@@ -297,12 +312,13 @@ class ColocatedReplica(_EngineReplica):
             yield item
 
     async def check_health(self) -> None:
-        stats = await self.actor.stats.remote()
-        if not stats.get("backend") or stats.get("decoder_healthy", True):
+        """Fails once the persistent decoder was marked unhealthy and the standard lane is idle, or
+        ``COLOCATED_DRAIN_S`` after it was marked (the engine's :class:`~policy.pool.LoadRecord`)."""
+        record = await self.actor.load.remote()
+        if not record.decoder_failed:
             self._unhealthy_since = None
             return
         now = time.monotonic()
         self._unhealthy_since = self._unhealthy_since or now
-        standard = stats["lanes"]["standard"]
-        if standard["running"] + standard["waiting"] == 0 or now - self._unhealthy_since >= COLOCATED_DRAIN_S:
-            raise RuntimeError(f"persistent decoder unhealthy: {stats.get('unhealthy_reason')}")
+        if record.standard_idle or now - self._unhealthy_since >= COLOCATED_DRAIN_S:
+            raise RuntimeError(f"persistent decoder unhealthy: {record.unhealthy_reason}")

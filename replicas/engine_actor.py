@@ -28,6 +28,8 @@ is read), so nothing of the persistent lane is in flight on the device while a s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import os
 import queue
@@ -37,6 +39,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from policy import Mode
+from policy.pool import LoadRecord
 from replicas.config import EngineConfig
 from replicas.engine import LLMEngine
 from replicas.engine_core import EngineCore
@@ -46,6 +49,7 @@ from replicas.persistent.contract import PersistentDecoderError
 from replicas.persistent.factory import backend_takes_cached_pages, create_backend
 from replicas.persistent.faults import FaultInjection, with_faults
 from replicas.persistent.lane import PersistentLane
+from replicas.pool_board import LoadPublisher
 from replicas.stream_channel import Relayed, StreamSenders
 
 logger = logging.getLogger(__name__)
@@ -70,6 +74,16 @@ def _placement_group_id() -> str | None:
         import ray
 
         return ray.get_runtime_context().get_placement_group_id() if ray.is_initialized() else None
+    except ImportError:
+        return None
+
+
+def _actor_name() -> str | None:
+    """This actor's name (None outside Ray or for an unnamed actor)."""
+    try:
+        import ray
+
+        return (ray.get_runtime_context().get_actor_name() or None) if ray.is_initialized() else None
     except ImportError:
         return None
 
@@ -210,6 +224,9 @@ class EngineActor:
         fault_injection: tests only: wrap the persistent backend so it fails on
             schedule (:class:`~replicas.persistent.faults.FaultInjection`); None in production.
         tracing: an ``ops.telemetry.tracing.TracingConfig`` for this process's spans (None: from ``OTEL_*``).
+        load_board: name of the application's pool board (:mod:`replicas.pool_board`): the engine pushes its
+            :class:`~policy.pool.LoadRecord` there when a persistent or spilled request starts or ends, and a
+            heartbeat; None: it pushes nothing (:meth:`load` still answers).
 
     Telemetry (``ops.telemetry.engine_telemetry``, built here once and injected into the lanes): a
     ``generation`` span per request, child of the caller's span named by
@@ -222,7 +239,7 @@ class EngineActor:
 
     def __init__(self, config: EngineConfig, lane: str = "standard", mode: str = "auto",
                  backend: str = "auto", checkpoint: str | None = None,
-                 fault_injection: FaultInjection | dict | None = None, tracing=None):
+                 fault_injection: FaultInjection | dict | None = None, tracing=None, load_board: str | None = None):
         if lane not in LANES:
             raise ValueError(f"lane must be one of {', '.join(LANES)}, got {lane!r}")
         self.lane_name = lane
@@ -264,6 +281,13 @@ class EngineActor:
         self._snapshot: dict = self._colocated_stats() if self.colocated else {}
         threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True).start()
         self._publish_gauges()
+        # persistent requests held, for the load records: a tuple replaced whole (the heartbeat thread reads it)
+        self._persistent_ids: tuple[str, ...] = ()
+        self._load_seq, self._started_at = itertools.count(1), time.time()
+        self._engine_id = _actor_name() or f"engine-{os.getpid()}"
+        self._publisher = LoadPublisher(load_board, self._load_record) if load_board else None
+        if self._publisher is not None:
+            self._publisher.start()  # on the board before the replica reports ready
         # Ray drops a gauge nobody set recently: refresh the page/health gauges while idle too
         threading.Thread(target=self._refresh_gauges, name="gauges", daemon=True).start()
 
@@ -392,6 +416,38 @@ class EngineActor:
                 "direct_streams": self._senders.stats(),
                 "deliveries": {"handovers": self._outbox.handovers, "items": self._outbox.items}}
 
+    def _load_record(self) -> LoadRecord:
+        """This engine's load now (:class:`~policy.pool.LoadRecord`; any thread)."""
+        ids = self._persistent_ids
+        record = LoadRecord(engine_id=self._engine_id, lane=self.lane_name, started_at=self._started_at,
+                            seq=next(self._load_seq), updated_at=time.time(), spilled_running=self._spilled_running)
+        if self.persistent is not None:
+            lane = self.persistent.stats()
+            record = dataclasses.replace(
+                record, running=len(ids), capacity=1, request_ids=ids,
+                decoder_loaded=lane["backend"] is not None, decoder_healthy=lane["decoder_healthy"],
+                unhealthy_reason=lane["unhealthy_reason"])
+        if self.engine is not None:
+            lane = self.engine.stats()
+            record = dataclasses.replace(record, standard_running=lane["running"], standard_waiting=lane["waiting"])
+        return record
+
+    async def load(self) -> LoadRecord:
+        """This engine's load record now (the replica's health check reads it)."""
+        return self._load_record()
+
+    def _hold(self, request_id: str, held: bool) -> bool:
+        """Count ``request_id`` as a persistent request this engine holds (or not); True when that changed."""
+        ids = self._persistent_ids
+        if held == (request_id in ids):
+            return False
+        self._persistent_ids = (*ids, request_id) if held else tuple(i for i in ids if i != request_id)
+        return True
+
+    def _load_changed(self) -> None:
+        if self._publisher is not None:
+            self._publisher.publish()
+
     def _scheduled(self, request_id: str) -> None:
         request_telemetry = self._requests.get(request_id)
         if request_telemetry is not None:
@@ -441,12 +497,19 @@ class EngineActor:
         self._send(Add(request, target, sink, cancel, request_telemetry))
         spilled = request.spilled and target == "standard"
         self._spilled_running += spilled
+        held = target == "persistent"  # counted in this engine's load record while it runs
+        if held:
+            self._hold(request.request_id, True)
+        if held or spilled:
+            self._load_changed()
         sent = 0
 
         def take(posted: tuple[Item, bool]) -> Item:
             nonlocal done
             item, done = posted
             request_telemetry.chunk(item)
+            if done and held and self._hold(request.request_id, False):  # say so before the last item goes out
+                self._load_changed()
             return item
 
         try:
@@ -470,6 +533,8 @@ class EngineActor:
                 yield Relayed(request.reply_to.key, sent)
         finally:
             self._spilled_running -= spilled
+            if (held and self._hold(request.request_id, False)) or spilled:
+                self._load_changed()
             if not done:  # the caller went away: stop the work and free its pages
                 cancel.set()
                 self._send(Abort(request.request_id, target))

@@ -10,12 +10,13 @@ import asyncio
 import itertools
 import secrets
 import statistics
+import threading
 import time
 
 import httpx
 import pytest
 
-from tests.deployments.conftest import MODEL, pool_stats
+from tests.deployments.conftest import MODEL, extra_app, pool_stats
 
 pytestmark = pytest.mark.ray
 
@@ -164,3 +165,60 @@ def test_c8_greedy_on_auto_one_persistent_the_rest_spilled(server):
           f"forced {1e3 * f:.0f} ms ({100 * (a / f - 1):+.1f}%); lanes on auto: {lanes[-1]}")
     assert all(seen.count("persistent") >= 1 for seen in lanes), lanes  # the persistent replica served one
     assert pool_stats(server)["router"]["spillovers"] - before >= 3 * 6
+
+
+def _pool_views(base: str, want, deadline: float, every: bool = True) -> dict[str, dict]:
+    """Poll ``/debug/stats`` (each answered by one ingress) until the last ``router`` stats of both routers
+    satisfy ``want`` (``every``), or one answer does (not ``every``); the last stats by router id."""
+    seen: dict[str, dict] = {}
+    while True:
+        router = pool_stats(base)["router"]
+        seen[router["router_id"]] = router
+        if (len(seen) == 2 and all(want(r) for r in seen.values())) if every else want(router):
+            return seen
+        assert time.monotonic() < deadline, f"routers' views never matched: {seen}"
+        time.sleep(0.05)
+
+
+def _running(router: dict) -> list[int]:
+    return [record["running"] for record in router["pool"]]
+
+
+def test_a_load_record_reaches_the_other_ingress_router_when_a_persistent_request_starts_and_ends(server, otlp):
+    """Two ingress replicas: while one greedy request streams on the persistent replica, the router that did
+    not send it (no persistent request in flight) sees the engine hold it (the engine pushed its record, the
+    board passed it on); once the client goes away and the request ends, both routers see the engine free
+    again. Nothing polls the engines: the routers' views change only by the records pushed to them. (While the
+    stream runs, Serve's proxy sends ``/debug/stats`` to the less loaded ingress: the other one.)"""
+    with extra_app(server, otlp, "pushed", ingress_replicas=2, max_model_len=2048, num_kv_blocks=256) as base:
+        first, done = threading.Event(), threading.Event()
+        answer: dict = {}
+
+        def stream() -> None:
+            body = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 1900, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
+                answer.update(status=r.status_code, lane=r.headers.get("x-lane"))
+                if r.status_code != 200:
+                    answer["body"] = r.read().decode()
+                    first.set()
+                    return
+                for _ in r.iter_lines():
+                    first.set()
+                    if done.is_set():
+                        return  # the client goes away: the request ends
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert first.wait(120), "no first chunk"
+        assert answer["status"] == 200 and answer["lane"] == "persistent", answer
+        try:
+            other = _pool_views(base, lambda r: r["persistent_in_flight"] == 0 and _running(r) == [1],
+                                time.monotonic() + 60, every=False)
+        finally:
+            done.set()
+            reader.join(60)
+        view = next(r for r in other.values() if r["persistent_in_flight"] == 0 and _running(r) == [1])
+        assert len(view["pool"][0]["request_ids"]) == 1 and view["persistent_free"] == 0, view
+        free = _pool_views(base, lambda r: _running(r) == [0] and r["persistent_free"] == 1, time.monotonic() + 60)
+        assert len(free) == 2 and all(r["pool"][0]["decoder_healthy"] for r in free.values()), free

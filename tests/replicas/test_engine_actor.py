@@ -190,6 +190,33 @@ def test_persistent_actor_runs_one_request_at_a_time(persistent_actor, tokenizer
     assert stats["running"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
 
 
+def test_the_load_record_holds_a_persistent_request_while_it_runs(persistent_actor, standard_actor, tokenizer):
+    """``EngineActor.load``: the typed record the engine pushes to its pool board (docs/architecture.md,
+    Spillover) names the persistent request while it runs, not after it ended, whether it finished or was
+    abandoned; a standard engine's record has no persistent slot."""
+    ids = chat_ids(tokenizer, PROMPTS[2])
+
+    async def scenario():
+        idle = await persistent_actor.load()
+        stream = persistent_actor.generate(greedy_request("held", ids, LONG))
+        await stream.__anext__()
+        running = await persistent_actor.load()
+        await stream.aclose()  # the client went away
+        abandoned = await persistent_actor.load()
+        deadline = time.monotonic() + 8.0
+        while (await persistent_actor.stats())["running"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await _collect(persistent_actor.generate(greedy_request("short", ids, SIXTEEN)))
+        return idle, running, abandoned, await persistent_actor.load(), await standard_actor.load()
+
+    idle, running, abandoned, finished, standard = asyncio.run(scenario())
+    assert (idle.running, idle.capacity, idle.lane, idle.decoder_loaded) == (0, 1, "persistent", True)
+    assert running.running == 1 and running.request_ids == ("held",) and running.decoder_healthy
+    assert abandoned.running == 0 and finished.running == 0 and finished.request_ids == ()
+    assert idle.seq < running.seq < abandoned.seq < finished.seq and idle.started_at == finished.started_at
+    assert standard.capacity == 0 and standard.lane == "standard" and standard.standard_idle
+
+
 def test_abandoned_standard_stream_frees_its_pages(standard_actor, tokenizer):
     g = greedy_request("gone", chat_ids(tokenizer, PROMPTS[1]), LONG)
     got, during, after = asyncio.run(_abandon_after(standard_actor, g, 2))
