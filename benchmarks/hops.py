@@ -230,9 +230,10 @@ def profile_engine(seconds: float, out_path, delay_s: float = 0.0, rate: int = 2
     """Sample the busiest engine actor's Python stacks with ``py-spy`` for ``seconds`` (after ``delay_s``), every
     thread, idle frames included (a thread spinning in a CUDA sync shows as the call that waits).
 
-    Writes py-spy's raw stacks to ``out_path`` and returns ``{"pid", "samples", "top": [(share, frame), ...]}``:
-    each frame's share of the samples whose stack holds it (inclusive), most first; or ``{"error": ...}`` when
-    py-spy is missing or cannot attach (it needs ptrace rights on the process)."""
+    Writes py-spy's raw stacks (every thread) to ``out_path`` and returns ``{"pid", "samples", "top": [(share,
+    frame), ...]}`` for the engine thread (stacks through ``_engine_loop``): each frame's share of that thread's
+    samples whose stack holds it (inclusive), most first; or ``{"error": ...}`` when py-spy is missing or cannot
+    attach (it needs ptrace rights on the process)."""
     import collections
     import shutil
     import subprocess
@@ -260,8 +261,11 @@ def profile_engine(seconds: float, out_path, delay_s: float = 0.0, rate: int = 2
     with open(out_path) as f:
         for line in f:
             stack, _, n = line.rstrip().rpartition(" ")
+            frames = stack.split(";")
+            if not any("_engine_loop" in frame for frame in frames):
+                continue  # other threads (gauges, heartbeat, Ray's) mostly sleep
             total += int(n)
-            for frame in set(stack.split(";")):
+            for frame in set(frames):
                 inclusive[frame] += int(n)
     return {"pid": busiest.pid, "samples": total,
             "top": [(round(n / max(total, 1), 3), frame) for frame, n in inclusive.most_common(top)]}

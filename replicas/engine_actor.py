@@ -28,7 +28,6 @@ is read), so nothing of the persistent lane is in flight on the device while a s
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import os
@@ -418,19 +417,17 @@ class EngineActor:
 
     def _load_record(self) -> LoadRecord:
         """This engine's load now (:class:`~policy.pool.LoadRecord`; any thread)."""
-        ids = self._persistent_ids
-        record = LoadRecord(engine_id=self._engine_id, lane=self.lane_name, started_at=self._started_at,
-                            seq=next(self._load_seq), updated_at=time.time(), spilled_running=self._spilled_running)
+        fields = {}
         if self.persistent is not None:
-            lane = self.persistent.stats()
-            record = dataclasses.replace(
-                record, running=len(ids), capacity=1, request_ids=ids,
-                decoder_loaded=lane["backend"] is not None, decoder_healthy=lane["decoder_healthy"],
-                unhealthy_reason=lane["unhealthy_reason"])
+            lane, ids = self.persistent.stats(), self._persistent_ids
+            fields.update(running=len(ids), capacity=1, request_ids=ids, decoder_loaded=lane["backend"] is not None,
+                          decoder_healthy=lane["decoder_healthy"], unhealthy_reason=lane["unhealthy_reason"])
         if self.engine is not None:
             lane = self.engine.stats()
-            record = dataclasses.replace(record, standard_running=lane["running"], standard_waiting=lane["waiting"])
-        return record
+            fields.update(standard_running=lane["running"], standard_waiting=lane["waiting"])
+        return LoadRecord(engine_id=self._engine_id, lane=self.lane_name, started_at=self._started_at,
+                          seq=next(self._load_seq), updated_at=time.time(), spilled_running=self._spilled_running,
+                          **fields)
 
     async def load(self) -> LoadRecord:
         """This engine's load record now (the replica's health check reads it)."""

@@ -138,27 +138,13 @@ def test_host_checks_on_captured_quanta_match_the_standard_lane():
     base = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
     def standard(params_by_id: dict) -> dict:
-        """Each request's (tokens, text, finish) with the text and stop strings the served path's reader makes
-        (``replicas.output_processor``), aborting a request that a stop string ended as closing its stream does."""
-        from replicas.output_processor import OutputProcessor
+        """Each request's (tokens, text, finish) on the standard lane, text and stop strings as the served path's
+        reader makes them (:func:`tests.replicas.conftest.run_standard`)."""
+        from tests.replicas.conftest import run_standard
 
-        engine = LLMEngine(core)
-        processors = {}
-        for rid, (p, params) in params_by_id.items():
-            engine.add_request(rid, p, params)
-            processors[rid] = OutputProcessor(core.tokenizer, params)
-        out: dict = {rid: ([], "", None) for rid in params_by_id}
-        while engine.has_unfinished():
-            for c in engine.step():
-                processor = processors[c.request_id]
-                shown = None if processor.finished else processor.process(c)
-                if shown is None:
-                    continue
-                ids, text, _ = out[c.request_id]
-                out[c.request_id] = (ids + shown.token_ids, text + shown.text, shown.finish_reason)
-                if processor.finished and processor.engine_busy:
-                    engine.abort(c.request_id)
-        return out
+        out = run_standard(LLMEngine(core), params_by_id)
+        return {rid: ([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
+                      chunks[-1].finish_reason) for rid, chunks in out.items()}
 
     ref = standard({f"r{i}": (p, base) for i, p in enumerate(prompts)})
     cases = {}

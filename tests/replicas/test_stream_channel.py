@@ -20,6 +20,16 @@ async def _connected(senders: StreamSenders, reply_to: ReplyTo, timeout_s: float
     return channel
 
 
+async def _two_dispatches():
+    """A started listener with two open dispatches, and a sender connected to it."""
+    listener = StreamListener("127.0.0.1")
+    await listener.start()
+    a, qa = listener.open()
+    b, qb = listener.open()
+    senders = StreamSenders()
+    return listener, (a, qa), (b, qb), senders, await _connected(senders, a)
+
+
 async def _send_until_refused(channel, key: str, tries: int) -> None:
     """Keep writing frames until the channel sees its connection closed (fails if it never does)."""
     with pytest.raises(ConnectionError):
@@ -30,12 +40,7 @@ async def _send_until_refused(channel, key: str, tries: int) -> None:
 
 def test_frames_reach_their_dispatch_in_order_and_unknown_keys_are_dropped():
     async def run():
-        listener = StreamListener("127.0.0.1")
-        await listener.start()
-        a, qa = listener.open()
-        b, qb = listener.open()
-        senders = StreamSenders()
-        channel = await _connected(senders, a)
+        listener, (a, qa), (b, qb), senders, channel = await _two_dispatches()
         assert senders.channel(b) is channel  # one connection per listener, shared by its dispatches
         await channel.send(a.key, [GenerationChunk("r1", [1, 2], "ab")], False)
         await channel.send(b.key, [Rejection("r2", "queued_work")], True)
@@ -57,12 +62,7 @@ def test_frames_reach_their_dispatch_in_order_and_unknown_keys_are_dropped():
 
 def test_frames_sent_in_one_turn_of_the_loop_go_out_in_one_write_and_arrive_in_order():
     async def run():
-        listener = StreamListener("127.0.0.1")
-        await listener.start()
-        a, qa = listener.open()
-        b, qb = listener.open()
-        senders = StreamSenders()
-        channel = await _connected(senders, a)
+        listener, (a, qa), (b, qb), senders, channel = await _two_dispatches()
         await asyncio.gather(  # three readers woken by one step each send their frame in the same turn
             channel.send(a.key, [GenerationChunk("r1", [1])], False),
             channel.send(b.key, [GenerationChunk("r2", [7])], False),
