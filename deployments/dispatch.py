@@ -25,6 +25,7 @@ from ray.serve.exceptions import (
     BackPressureError,
     DeploymentUnavailableError,
     ReplicaUnavailableError,
+    RequestCancelledError,
 )
 
 from replicas.messages import GenerateRequest, GenerationError, Rejection, Started
@@ -245,7 +246,8 @@ async def _pump(items, queue: asyncio.Queue) -> None:
 async def ended_by_error(stream, request_id: str, lane: str):
     """Pass ``stream``'s items through; a replica that dies under it (Ray/Serve raise) ends it with a
     :class:`GenerationError` (reason ``replica_died``, or ``internal_error`` for anything unexpected)
-    instead of an exception, so the client gets an error event and the end of its stream.
+    instead of an exception, so the client gets an error event and the end of its stream. A stream cancelled
+    by its own reader (Serve's ``RequestCancelledError``) just ends: nobody reads it any more.
 
     Raises:
         BackPressureError: passed on (the caller answers 503).
@@ -255,6 +257,8 @@ async def ended_by_error(stream, request_id: str, lane: str):
             yield item
     except BackPressureError:
         raise
+    except RequestCancelledError:  # the reader closed the dispatch (a stop string ended it, or the client left)
+        return
     except _REPLICA_FAILURES as exc:
         logger.warning("request %s: the %s replica serving it died or vanished: %s", request_id, lane,
                        type(exc).__name__)
