@@ -166,10 +166,13 @@ def _prefill_attention_kernel(
     lo = 0
     full_lo = 0
     if HAS_WINDOW:
-        lo = tl.maximum(pos_first - window + 1, 0)
+        lo = tl.maximum(pos_first - window + 1, 0) // BLOCK_N * BLOCK_N
         full_lo = tl.maximum(pos_last - window + 1, 0)
     full_hi = pos_first + 1  # keys [full_lo, full_hi) are visible to every row
-    a_end = tl.minimum(full_lo, hi)
+    # Key tiles start at multiples of BLOCK_N (absolute positions), whichever query tile this is, so a query's
+    # online softmax sees the same key tiles in the same order however its prompt was cut into chunks and
+    # tiles (docs/exactness.md); keys below the window's edge are masked like any other invisible key.
+    a_end = tl.minimum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, hi)
     b_end = a_end + tl.maximum(full_hi - a_end, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -73,7 +73,10 @@ def _prefill_logits(core, prompt: list[int], chunk: int | None) -> tuple[torch.T
 
 
 def test_chunked_prefill_equals_whole(core):
-    prompt = prompts_for(core, 1, seed=3)[0] + prompts_for(core, 1, seed=4)[0]
+    """A 300-token prompt, longer than the 128-token window, so the windowed layers' key tiles start past 0:
+    chunks of 16 (a prefix-cache hit's tail starts at a page boundary, mid query tile), 100 and 257."""
+    prompt = sum(prompts_for(core, 6, seed=3), [])[:300]
+    assert len(prompt) == 300
     whole_logits, whole_keys = _prefill_logits(core, prompt, None)
     for chunk in (16, 100, 257):
         logits, keys = _prefill_logits(core, prompt, chunk)
