@@ -161,13 +161,15 @@ class _Outbox:
         entries, self._entries = self._entries, {}
         gone = []
         for loop, batch in entries.items():
+            # counted before the hand-over: a reader that got the items may read the counters at once
+            self.handovers += 1
+            self.items += len(batch)
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # loop closed meanwhile: nobody is listening any more
+                self.handovers -= 1
+                self.items -= len(batch)
                 gone.append(loop)
-                continue
-            self.handovers += 1
-            self.items += len(batch)
         return gone
 
 
