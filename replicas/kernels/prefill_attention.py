@@ -28,6 +28,13 @@ denominator once at the end: ``l += 2**(sink * log2(e) - m)``, their
 probability mass dropped. Probabilities are rounded to the value dtype for the
 ``P V`` product, as FlashAttention does.
 
+Every multiply and add is rounded on its own (the launch turns Triton's FMA
+contraction off). Otherwise the unmasked key loop computes ``2**(s * scale - m)``
+with one fused multiply-add while the masked loops, whose ``where`` sits between
+the multiply and the subtraction, round twice; a query's probabilities would then
+depend on whether a key tile fell in a masked or the unmasked loop, which depends
+on where its chunk and its query tile start (docs/exactness.md, "Chunked prefill").
+
 The tile map (which sequence and first token each program takes) is built on
 the device from ``query_start`` (:func:`tile_map`), so the only host input is
 the number of tiles, a function of the host-known chunk lengths.
@@ -55,6 +62,9 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 LOG2E = 1.4426950408889634
+
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+"""Triton compile options of every launch: no FMA contraction (see the module docstring)."""
 
 
 def tokens_per_tile(num_heads: int, num_kv_heads: int, block_m: int | None = None) -> int:
@@ -260,7 +270,7 @@ def triton_prefill_attention(
     meta = dict(G=group, GP=gp, BLOCK_T=block_t, BLOCK_N=config["BLOCK_N"], D=head_dim,
                 PAGE=PAGE, HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
                 PRECISION="ieee" if query.dtype == torch.float32 else None,
-                num_warps=config["num_warps"])
+                num_warps=config["num_warps"], **COMPILE_OPTIONS)
     stages = 1 if _ONE_STAGE else config["num_stages"]
     try:
         _prefill_attention_kernel[(num_tiles, kvh)](*args, **meta, num_stages=stages)

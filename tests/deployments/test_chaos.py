@@ -105,6 +105,20 @@ def _replica_of(engine_pid: int) -> dict:
                 and a["Address"]["IPAddress"] == owner["IPAddress"])
 
 
+def _pids_on_node(node_id: str) -> list[int]:
+    """Process ids of the live actors on Ray node ``node_id``."""
+    return [a["Pid"] for a in _actors() if a["Address"]["NodeID"] == node_id and a["Pid"]]
+
+
+def _alive(pid: int) -> bool:
+    """Process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def _wait(predicate, timeout: float, what: str, period: float = 0.5):
     deadline = time.monotonic() + timeout
     last_error = None
@@ -482,8 +496,14 @@ def test_kill_a_worker_node_under_load_reschedules_its_persistent_replica(chaos)
         async with httpx.AsyncClient() as c:
             users = [asyncio.create_task(user(c, i)) for i in range(4)]
             await asyncio.sleep(8)
+            doomed = _pids_on_node(victim_node)
             killed["at"] = time.monotonic()
             await asyncio.to_thread(cluster.remove_node, node, False)
+            # remove_node returns once the node's raylet is killed; its workers exit when they notice, so a
+            # request may still reach (and start on) the dying replica for a moment: the node is dead once
+            # every process of it has exited
+            await asyncio.to_thread(_wait, lambda: not any(_alive(p) for p in doomed), 60,
+                                    "the dead node's worker processes to exit")
             killed["done"] = time.monotonic()
 
             def recovered():
