@@ -35,7 +35,9 @@ Starts a local Ray cluster, deploys the app (the embedded model unless ``--model
 * **CPU per token** (``--cpu-per-token C``): each serving process's CPU time per output token while
   streams run at concurrency ``C`` on the standard lane (:func:`cpu_per_token`).
 
-Usage: ``python -m benchmarks.hops --iters 200 --breakdown 20 --cpu-per-token 8``
+Usage: ``python -m benchmarks.hops --iters 200 --breakdown 20 --cpu-per-token 8``; the first bursts after
+start (``first_burst`` result with ``--out``): ``python -m benchmarks.hops --iters 0 --burst 8
+--burst-lanes persistent,standard,persistent,standard --out benchmarks/results --label auto-first``
 """
 
 from __future__ import annotations
@@ -207,6 +209,22 @@ def burst(base: str, receiver, model: str, concurrency: int, max_tokens: int, la
     return rows
 
 
+def burst_summary(rows: list[dict], index: int, header: str, concurrency: int, max_tokens: int,
+                  label: str = "") -> dict:
+    """One ``first_burst`` result row from :func:`burst`'s rows: the burst's place (1 = the app's first
+    requests), its ``x-lane`` header (``persistent``: the router's own choice; ``standard``: forced), the
+    lanes that served it, and the medians (ms) of TTFT, end-to-end latency and the engine's own TTFT
+    (``engine`` segment; None when no trace arrived)."""
+    def median(key: str):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return round(statistics.median(values), 1) if values else None
+
+    served = sorted({r["lane"] or "?" for r in rows})
+    return {"label": label, "burst": index, "x_lane": header, "served": "+".join(served),
+            "concurrency": concurrency, "max_tokens": max_tokens, "ttft_ms_median": median("ttft"),
+            "e2el_ms_median": median("e2el"), "engine_ms_median": median("engine")}
+
+
 def _ray_processes() -> dict[int, str]:
     """``pid -> role`` of this machine's Ray worker processes that serve requests (their process title,
     ``ray::ServeReplica:<app>:<deployment>``, ``ray::ProxyActor``, ``ray::EngineActor``, shortened)."""
@@ -332,6 +350,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="with --burst, the x-lane header of each burst in turn, e.g. persistent,standard,persistent,"
                         "standard (persistent: the router's normal choice; standard: forced)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per breakdown request")
+    p.add_argument("--out", default=None,
+                   help="with --burst, write the bursts' medians as a first_burst result into this folder")
+    p.add_argument("--label", default="", help="with --out, the result rows' label (and the file's tag)")
     p.add_argument("--cpu-per-token", type=int, default=0, metavar="C",
                    help="also measure each process's CPU time per output token at concurrency C (standard lane)")
     p.add_argument("--model", default=None, help="the app's model (default: the embedded one)")
@@ -385,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
                 out["http_1_token"].append(time.perf_counter() - t)
         return out
 
+    burst_rows = []
     for i, lane in enumerate(args.burst_lanes.split(",") if args.burst else ()):
         # x-lane persistent is the router's normal choice (auto); standard forces the standard lane
         print(f"\nBurst {i + 1} ({'first' if i == 0 else 'later'}; x-lane {lane}): {args.burst} concurrent "
@@ -394,6 +416,15 @@ def main(argv: list[str] | None = None) -> None:
             print("  " + json.dumps(row))
         print(f"  median TTFT {statistics.median(r['ttft'] for r in rows):.1f} ms; lanes "
               f"{sorted(r['lane'] for r in rows)}")
+        burst_rows.append(burst_summary(rows, i + 1, lane, args.burst, args.max_tokens, args.label))
+    if args.out and burst_rows:
+        from benchmarks.results import write_result
+
+        path = write_result("first_burst", burst_rows, args.out, tag=args.label,
+                            notes=f"{model}, app arguments {args.app_args}; each burst: {args.burst} "
+                                  f"streamed greedy requests sent at once, {args.max_tokens} tokens each "
+                                  "(ignore_eos); medians over the burst's requests, ms.")
+        print(f"wrote {path}")
     if args.iters:
         results = asyncio.run(run())
         print(f"\nRay hop latency ({args.iters} iterations, local cluster)")

