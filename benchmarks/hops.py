@@ -379,6 +379,11 @@ def main(argv: list[str] | None = None) -> None:
                         tracing_schedule_delay_ms=50)
     serve.run(build_app(app_args), name="bench", route_prefix="/")
     base = f"http://127.0.0.1:{args.client_port or args.port}"
+    deadline = time.monotonic() + 300  # as a load balancer would: no traffic before /health says ready
+    while httpx.get(f"{base}/health", timeout=30).status_code != 200:
+        if time.monotonic() > deadline:
+            raise SystemExit("the app's /health did not answer 200 within 300 s")
+        time.sleep(0.5)
     model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
     chat = {"model": model, "temperature": 0, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
 
