@@ -4,8 +4,9 @@
 A small random GPT-OSS (sinks, a sliding window, 16 experts) and the 20b shape with 4 layers: the persistent
 lane's tokens equal the standard lane's, the standard lane's tokens at concurrency 64 equal the same requests
 one at a time, a prompt prefilled in chunks of three sizes leaves the same KV and logits as prefilled whole,
-and a prefix-cache hit the same as a cold prefill. The grouped MoE GEMMs at a fixed height and the decode
-attention at a fixed split count are row-exact at every row count."""
+and a prefix-cache hit the same as a cold prefill; binding a ``cuda_graph`` backend leaves the cache as it
+was. The grouped MoE GEMMs at a fixed height and the decode attention at a fixed split count are row-exact
+at every row count."""
 
 from __future__ import annotations
 
@@ -40,6 +41,23 @@ def test_persistent_lane_equals_standard_lane(core):
     persistent = persistent_tokens(core, prompts)
     same = sum(a == b for a, b in zip(persistent, together, strict=True))
     assert same == len(prompts), f"persistent == standard for {same}/{len(prompts)}"
+
+
+def test_binding_a_cuda_graph_backend_changes_no_byte_of_the_cache(core):
+    """The backend's warm-up decodes through page 0 (docs/exactness.md, "Binding a persistent backend"); bound
+    to a cache whose page 0 holds data (a prefix-cached prompt, as in the test above), it leaves every byte."""
+    from replicas.persistent.contract import CacheBinding
+    from replicas.persistent.cuda_graph import CudaGraphBackend
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for k, v in core.kv_cache.planes():
+        k[0].copy_(torch.randn(k[0].shape, device="cuda", generator=g).to(k.dtype))
+        v[0].copy_(torch.randn(v[0].shape, device="cuda", generator=g).to(v.dtype))
+    before = core.kv_cache.tensor.clone()
+    backend = CudaGraphBackend(core.model, torch.device("cuda"), core.config.max_model_len)
+    backend.bind_cache(CacheBinding.from_kv_tensor(core.kv_cache.tensor))
+    assert backend.use_graphs and len(backend._graphs) == 8
+    assert torch.equal(core.kv_cache.tensor, before)
 
 
 def test_concurrent_standard_requests_equal_each_alone(core):
