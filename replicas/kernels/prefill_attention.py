@@ -63,9 +63,6 @@ NUM_STAGES = 2
 
 LOG2E = 1.4426950408889634
 
-COMPILE_OPTIONS = {"enable_fp_fusion": False}
-"""Triton compile options of every launch: no FMA contraction (see the module docstring)."""
-
 
 def tokens_per_tile(num_heads: int, num_kv_heads: int, block_m: int | None = None) -> int:
     """New tokens per program: ``BLOCK_M // GP`` (at least 1), ``GP`` = the GQA group rounded up to a power of 2."""
@@ -213,6 +210,19 @@ def _prefill_attention_kernel(
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def launch_meta(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, windowed: bool,
+                has_sinks: bool, config: dict[str, int]) -> dict:
+    """The kernel's compile-time arguments and options for one launch (every key but ``num_stages``, which
+    the launch adds): the constexprs, ``num_warps`` from ``config``, and ``enable_fp_fusion=False`` (no FMA
+    contraction, see the module docstring)."""
+    group = num_heads // num_kv_heads
+    return dict(G=group, GP=triton.next_power_of_2(group),
+                BLOCK_T=tokens_per_tile(num_heads, num_kv_heads, config["BLOCK_M"]), BLOCK_N=config["BLOCK_N"],
+                D=head_dim, PAGE=PAGE, HAS_WINDOW=windowed, HAS_SINKS=has_sinks,
+                PRECISION="ieee" if dtype == torch.float32 else None, num_warps=config["num_warps"],
+                enable_fp_fusion=False)
+
+
 def triton_prefill_attention(
     query: torch.Tensor, key_plane: torch.Tensor, value_plane: torch.Tensor, query_start: torch.Tensor,
     context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, num_tiles: int, *,
@@ -250,11 +260,10 @@ def triton_prefill_attention(
     if head_dim & (head_dim - 1) or num_heads % kvh:
         raise ValueError(f"prefill attention needs a power-of-two head_dim and H % KVH == 0, got D={head_dim}, "
                          f"H={num_heads}, KVH={kvh}")
-    group = num_heads // kvh
-    gp = triton.next_power_of_2(group)
     config = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES,
               **(config or {})}
-    block_t = tokens_per_tile(num_heads, kvh, config["BLOCK_M"])
+    meta = launch_meta(num_heads, kvh, head_dim, query.dtype, sliding_window is not None, sinks is not None, config)
+    block_t = meta["BLOCK_T"]
     if tiles is None:
         tiles = tile_map(query_start, block_t, num_tiles)
     out = torch.empty_like(query) if out is None else out
@@ -267,10 +276,6 @@ def triton_prefill_attention(
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_plane.stride(0), key_plane.stride(1), key_plane.stride(2),
             value_plane.stride(0), value_plane.stride(1), value_plane.stride(2), block_tables.stride(0))
-    meta = dict(G=group, GP=gp, BLOCK_T=block_t, BLOCK_N=config["BLOCK_N"], D=head_dim,
-                PAGE=PAGE, HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
-                PRECISION="ieee" if query.dtype == torch.float32 else None,
-                num_warps=config["num_warps"], **COMPILE_OPTIONS)
     stages = 1 if _ONE_STAGE else config["num_stages"]
     try:
         _prefill_attention_kernel[(num_tiles, kvh)](*args, **meta, num_stages=stages)

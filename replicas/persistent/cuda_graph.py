@@ -219,23 +219,18 @@ class CudaGraphBackend(PipelinedBackend):
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        """One graph per quantum size, sharing a memory pool.
+        """One graph per quantum size, sharing a memory pool, after a warm-up of padding steps."""
+        self._graphs = capture_graphs({steps: functools.partial(self._body, steps)
+                                       for steps in range(1, MAX_QUANTUM_TOKENS + 1)},
+                                      self.device, warmup=self._padding_step, warmup_runs=3)
 
-        The warm-up runs real decode steps on the zeroed buffers: positions 0, 1 and 2 through a block table
-        of page 0, so it writes K/V into page 0 of every layer. Page 0 may belong to a live sequence or a
-        prefix-cached prompt when the backend binds to a cache in use (a lane built beside a standard lane
-        that has run), so every layer's page 0 is saved before and written back after: binding changes no
-        byte of the cache (docs/exactness.md, "Binding a persistent backend")."""
-        saved = [(k[0].clone(), v[0].clone()) for k, v in self._planes]
-        try:
-            self._graphs = capture_graphs({steps: functools.partial(self._body, steps)
-                                           for steps in range(1, MAX_QUANTUM_TOKENS + 1)},
-                                          self.device, warmup=lambda: self._body(1), warmup_runs=3)
-        finally:
-            for (k, v), (k0, v0) in zip(self._planes, saved, strict=True):
-                k[0].copy_(k0)
-                v[0].copy_(v0)
-            torch.cuda.synchronize(self.device)
+    def _padding_step(self) -> None:
+        """One warm-up step as a padding row (position -1), as the standard lane's decode graphs warm up: the
+        RoPE/KV-write and decode-attention kernels write and read nothing for it, so binding to a cache in use
+        changes none of it (docs/exactness.md, "Binding a persistent backend"). The step's epilogue advances
+        the position, so each step starts from -1 again."""
+        self.buffers.position.fill_(-1)
+        self._body(1)
 
     def _check(self, req: QuantumRequest) -> None:
         check_launchable(req, self._planes is not None)

@@ -122,18 +122,18 @@ SAMPLED_STREAMS = 4
 
 def gsm8k_prompts(n: int) -> list[str]:
     """The first ``n`` GSM8K test problems as 3-shot prompts (``ops.tools.gsm8k``), from the folder in
-    ``GSM8K_DATA_DIR`` (e.g. the device recipe's carried data), else ``../shared/data/gsm8k``, else the
-    committed 4-problem sample."""
+    ``GSM8K_DATA_DIR`` (the device recipe's carried data), else ``../shared/data/gsm8k``.
+
+    Raises:
+        FileNotFoundError: the folder has no GSM8K files."""
     import os
     from pathlib import Path
 
     from ops.tools import gsm8k
 
     data = Path(os.environ.get("GSM8K_DATA_DIR", gsm8k.DEFAULT_DATA_DIR))
-    data = data if (data / gsm8k.TEST_FILE).exists() else None
-    test = gsm8k.load(data / gsm8k.TEST_FILE) if data else gsm8k.load(gsm8k.SAMPLE_DIR / "test_head4.jsonl")
-    shots = gsm8k.load(data / gsm8k.FEWSHOT_FILE) if data else gsm8k.load(gsm8k.SAMPLE_DIR / "train_head3.jsonl")
-    return [gsm8k.fewshot_prompt(shots[:3], p.question) for p in test[:n]]
+    shots = gsm8k.load(data / gsm8k.FEWSHOT_FILE)[:3]
+    return [gsm8k.fewshot_prompt(shots, p.question) for p in gsm8k.load(data / gsm8k.TEST_FILE)[:n]]
 
 
 async def greedy_under_load(base: str, prompts: list[str], concurrency: int, sampled_streams: int,
@@ -163,7 +163,8 @@ async def greedy_under_load(base: str, prompts: list[str], concurrency: int, sam
         async with gate:
             r = await c.post(f"{base}/v1/completions", timeout=300, json=body(prompt, temperature=0))
         assert r.status_code == 200, r.text
-        return {"text": r.json()["choices"][0]["text"], "tokens": r.json()["usage"]["completion_tokens"],
+        answer = r.json()
+        return {"text": answer["choices"][0]["text"], "tokens": answer["usage"]["completion_tokens"],
                 "lane": r.headers["x-lane"]}
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + sampled_streams + 4)) as c:
