@@ -25,9 +25,12 @@ pytestmark = pytest.mark.ray
 
 SPILL_WAIT_S = 0.3
 STANDARD_ONGOING, STANDARD_QUEUED = 2, 2
-BURST_TOKENS = 200
+BURST_TOKENS = 100
 """Tokens of each burst request (the app's context is 256): with 32, admitted requests ended while the burst
-still arrived on the CI machine and up to 6 of 8 were admitted."""
+still arrived on the CI machine and up to 6 of 8 were admitted. With 200, the two queued requests on a CI
+machine at 0.3 s per step waited 62 s for the first two and then ran past the client's 120 s timeout."""
+BURST_TIMEOUT_S = 600
+"""Client timeout of the burst: the queued requests run after the admitted ones, at the machine's speed."""
 ASK = [{"role": "user", "content": "Count from one to fifty in words."}]
 
 
@@ -39,8 +42,8 @@ def tight(server, otlp):
         yield base
 
 
-async def _chat(client: httpx.AsyncClient, base: str, **body) -> httpx.Response:
-    return await client.post(f"{base}/v1/chat/completions", timeout=120,
+async def _chat(client: httpx.AsyncClient, base: str, timeout: float = 120, **body) -> httpx.Response:
+    return await client.post(f"{base}/v1/chat/completions", timeout=timeout,
                              json={"model": MODEL, "messages": ASK, **body})
 
 
@@ -83,8 +86,9 @@ def test_burst_of_twice_capacity_gets_503_with_retry_after(tight):
     async def main():
         async with httpx.AsyncClient() as c:  # sampled: standard lane only; long enough that none of the
             # admitted requests ends (freeing a slot) while the burst is still arriving
-            return await asyncio.gather(*(_chat(c, tight, temperature=0.9, seed=i, max_tokens=BURST_TOKENS,
-                                                ignore_eos=True) for i in range(2 * capacity)))
+            return await asyncio.gather(*(_chat(c, tight, BURST_TIMEOUT_S, temperature=0.9, seed=i,
+                                                max_tokens=BURST_TOKENS, ignore_eos=True)
+                                          for i in range(2 * capacity)))
 
     responses = asyncio.run(main())
     ok = [r for r in responses if r.status_code == 200]
