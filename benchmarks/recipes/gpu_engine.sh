@@ -1,29 +1,42 @@
 #!/usr/bin/env bash
-# One device call on a GPU machine without network: the GPU tests that need no Ray, then the engine-level
-# studies of docs/exactness.md (lane agreement in fp32, bf16 and bf16 with batch_invariant; gpt-oss-120b's
-# TTFT and standard-lane sweep with batch_invariant on, then off), each writing its result files into $OUT.
+# Device calls on a GPU machine without network: the GPU tests that need no Ray (`make test-gpu`'s
+# selection, four pytest workers), gpt-oss-120b's batch-one engine benchmark, then the engine-level studies of
+# docs/exactness.md (lane agreement in fp32, bf16 and bf16 with batch_invariant; gpt-oss-120b's TTFT and
+# standard-lane sweep with batch_invariant on, then off), each writing its result files into $OUT.
 #
 #   here:  mkdir -p .whl/engine && python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #            --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #            --platform manylinux2014_x86_64 -d .whl/engine pydantic==2.14.4 pydantic-core==2.50.5 \
-#            annotated-types==0.8.0 typing-inspection==0.4.5
-#   there: GIT_COMMIT=<short hash> bash benchmarks/recipes/gpu_engine.sh .whl/engine   (carry .whl)
+#            annotated-types==0.8.0 typing-inspection==0.4.5 pytest-xdist==3.8.0 execnet==2.1.2
+#   there: GIT_COMMIT=<short hash> bash benchmarks/recipes/gpu_engine.sh .whl/engine   (carry .whl/engine)
 #
-# Budgets (seconds, environment): TESTS_S (240), LANES_S (150), MODEL_S (each 120b run, 200). Whatever a
-# step did not finish is still in $OUT (the benchmarks rewrite their files after every table). All four steps
-# take more than one 10-minute call: STEPS picks some (default "tests lanes on off"), e.g. STEPS="tests lanes"
-# in one call and STEPS="on off" in the next.
+# Steps (STEPS, default "tests batch_one lanes on off"; pick some per 10-minute call, e.g. "tests batch_one"
+# then "lanes on off"): tests, batch_one (benchmarks.engine on gpt-oss-120b), baseline (the same benchmark
+# from an older tree carried in BASELINE_TREE, its ops.bench.engine or benchmarks.engine, so that a card other
+# than the results' can still say whether a number moved), lanes, on, off. Budgets (seconds, environment):
+# TESTS_S (360), BATCH_ONE_S (150), LANES_S (150), MODEL_S (each 120b sweep, 200). Whatever a step did not
+# finish is still in $OUT (the benchmarks rewrite their files after every table).
 set -uo pipefail
 wheels=${1:?usage: gpu_engine.sh WHEEL_DIR}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/gpu_engine_out}
-mkdir -p "$out/lanes" "$out/on" "$out/off"
+mkdir -p "$out/lanes" "$out/on" "$out/off" "$out/eng"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-steps=" ${STEPS:-tests lanes on off} "
-[[ $steps == *" tests "* ]] && timeout "${TESTS_S:-240}" python3 -m pytest -q -o addopts="-ra" -p no:cacheprovider \
-  tests/replicas/kernels/test_row_exact_gemm.py tests/gpu/test_exactness_gpu.py tests/gpu/test_prefill_gpu.py \
-  2>&1 | tee "$out/pytest.log" | tail -25
+steps=" ${STEPS:-tests batch_one lanes on off} "
+workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}" --dist loadfile)
+[[ $steps == *" tests "* ]] && { start=$SECONDS; timeout "${TESTS_S:-360}" python3 -m pytest -q -o addopts="-ra" \
+  -p no:cacheprovider "${workers[@]}" --durations=12 -m "not stress and not cluster and not chaos and not lmeval" \
+  tests/gpu tests/replicas/kernels 2>&1 | tee "$out/pytest.log" | tail -40; echo "tests: $((SECONDS - start)) s"; }
+batch_one=(--shapes gpt-oss-120b --no-hf --reps 2 --slow-new-tokens 16)
+[[ $steps == *" batch_one "* ]] && { start=$SECONDS; timeout "${BATCH_ONE_S:-150}" python3 -m benchmarks.engine \
+  "${batch_one[@]}" --results "$out/eng" 2>&1 | tail -12; echo "batch_one: $((SECONDS - start)) s"; }
+if [[ $steps == *" baseline "* ]]; then
+  tree=${BASELINE_TREE:?baseline: set BASELINE_TREE to an older checkout}
+  module=benchmarks.engine; [ -d "$tree/ops/bench" ] && module=ops.bench.engine
+  ( cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout "${BATCH_ONE_S:-150}" python3 -m $module "${batch_one[@]}" \
+    --json "$out/eng/baseline.json" 2>&1 | tail -12 )
+fi
 [[ $steps == *" lanes "* ]] && timeout "${LANES_S:-150}" python3 -m benchmarks.prefill --out "$out/lanes" --parts lanes --budget-s "${LANES_S:-150}" \
   2>&1 | grep -A8 "Lane agreement"
 for mode in on off; do
