@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.kernels.moe.backends import MOE_REGISTRY
-from replicas.kernels.paged_attention import PAGE_SIZE
-from replicas.models.loader import DEFAULT_MODEL
+from replicas.kernels.page import PAGE_SIZE
+from replicas.models import DEFAULT_MODEL
 from replicas.registry import OneOf
+
+if TYPE_CHECKING:
+    import torch
 
 MoEBackendName = Annotated[str, OneOf(MOE_REGISTRY, fixed=("auto",))]
 """``auto`` or a registered decode MoE backend (:data:`replicas.kernels.moe.backends.MOE_REGISTRY`, the one
@@ -135,11 +137,15 @@ class EngineConfig(BaseModel):
         return self.served_model_name or self.model
 
     def resolved_device(self) -> torch.device:
+        import torch  # here, not at the top: Serve's ingress and lane wrappers import this module without torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolved_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.float32 if self.resolved_device().type == "cpu" else torch.bfloat16
         return getattr(torch, self.dtype)

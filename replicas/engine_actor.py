@@ -36,20 +36,22 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from policy import Mode
 from policy.pool import LoadRecord
 from replicas.config import EngineConfig
-from replicas.engine import LLMEngine
-from replicas.engine_core import EngineCore
 from replicas.messages import GenerateRequest, GenerationChunk, GenerationError, Rejection
 from replicas.persistent.checkpoint import CheckpointError
 from replicas.persistent.contract import PersistentDecoderError
-from replicas.persistent.factory import backend_takes_cached_pages, create_backend
 from replicas.persistent.faults import FaultInjection, with_faults
-from replicas.persistent.lane import PersistentLane
 from replicas.pool_board import LoadPublisher
 from replicas.stream_channel import Relayed, StreamSenders
+
+if TYPE_CHECKING:  # the engine (torch) is imported in the actor's constructor: the Serve replica processes
+    # that only create this actor (the lane wrappers) or read its stats (the ingress) never load torch
+    from replicas.engine import LLMEngine
+    from replicas.persistent.lane import PersistentLane
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +243,10 @@ class EngineActor:
     def __init__(self, config: EngineConfig, lane: str = "standard", mode: str = "auto",
                  backend: str = "auto", checkpoint: str | None = None,
                  fault_injection: FaultInjection | dict | None = None, tracing=None, load_board: str | None = None):
+        from replicas.engine import LLMEngine
+        from replicas.engine_core import EngineCore
+        from replicas.persistent.factory import backend_takes_cached_pages
+
         if lane not in LANES:
             raise ValueError(f"lane must be one of {', '.join(LANES)}, got {lane!r}")
         self.lane_name = lane
@@ -295,6 +301,8 @@ class EngineActor:
     def _warm_up(self) -> dict | None:
         """``EngineConfig.warmup`` on a GPU: compile the prefill kernels (and, with a standard lane, capture
         every decode graph) before the first request; what it did, for ``settings``. None when off or on CPU."""
+        from replicas.engine import LLMEngine
+
         if not self.core.config.warmup or self.core.runner.device.type != "cuda":
             return None
         # a throwaway engine over the same core (graphs, kernels and KV pool are the core's): the serving
@@ -310,6 +318,9 @@ class EngineActor:
         Raises:
             PersistentDecoderLoadError: mode ``required`` and the backend failed to load or bind.
         """
+        from replicas.persistent.factory import create_backend
+        from replicas.persistent.lane import PersistentLane
+
         decoder, error = None, None
         try:
             decoder = create_backend(backend, self.core, checkpoint)

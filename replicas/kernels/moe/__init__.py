@@ -41,8 +41,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from replicas.kernels.moe.backends import (
     MOE_REGISTRY,
@@ -50,7 +49,11 @@ from replicas.kernels.moe.backends import (
     MoEBackendError,
     triton_importable,
 )
-from replicas.kernels.moe.reference import moe_reference
+
+if TYPE_CHECKING:  # torch is imported where it runs, so that the engine config can import MOE_REGISTRY cheaply
+    import torch
+
+    from replicas.kernels.moe.reference import moe_reference
 
 __all__ = ["DECODE_MAX_TOKENS", "MOE_BACKENDS", "MOE_REGISTRY", "TILE_KEYS", "MoE", "MoEBackend", "MoEBackendError",
            "MoEChoice", "moe_reference", "resolve_moe"]
@@ -115,6 +118,8 @@ def resolve_moe(requested: str, device: torch.device, dtype: torch.dtype, repack
     Raises:
         MoEBackendError: an unknown name, a named backend that cannot run here, or unknown tile keys.
     """
+    import torch
+
     device = torch.device(device)
     if requested == "auto":
         name, reason = next((n, "auto") for n, cls in MOE_REGISTRY.items() if cls.why_not(device, dtype) is None)
@@ -192,6 +197,8 @@ class MoE:
 
         Raises:
             RuntimeError: called during a CUDA-graph capture."""
+        import torch
+
         if not self.choice.repack or getattr(experts, "decode_layout", False):
             return False
         if experts.gate_up_proj_blocks.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -245,7 +252,18 @@ class MoE:
                 return (out if residual is None else residual.float() + out).to(x.dtype)
             if self.backend.adds_residual:
                 return self._decode(x, weights, ids, *_packed(experts), residual=residual)
+        from replicas.kernels.moe.reference import moe_reference
+
         fast = self._dequantize
         out = moe_reference(x, weights, ids, experts, dequantize=fast,
                             dequantize_repacked=functools.partial(fast, repacked=True) if fast else None)
         return out if residual is None else residual + out
+
+
+def __getattr__(name: str):
+    """``moe_reference`` on first access (PEP 562): the torch reference stays out of a plain import."""
+    if name == "moe_reference":
+        from replicas.kernels.moe.reference import moe_reference
+
+        return moe_reference
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

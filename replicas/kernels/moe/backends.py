@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import ClassVar
-
-import torch
+from typing import TYPE_CHECKING, ClassVar
 
 from replicas.registry import Registry
+
+if TYPE_CHECKING:
+    import torch
 
 
 class MoEBackendError(ValueError):
@@ -90,6 +91,8 @@ def _gpu_with_triton(device: torch.device) -> str | None:
 
 
 def _nvidia(device: torch.device) -> str | None:
+    import torch
+
     why = _gpu_with_triton(device)
     if why is None and torch.version.hip:
         return "needs an NVIDIA GPU (inline PTX)"
@@ -108,6 +111,8 @@ class HopperBulk(MoEBackend):
 
     @classmethod
     def why_not(cls, device, dtype):
+        import torch
+
         why = _nvidia(device)
         if why is not None:
             return why
@@ -139,6 +144,8 @@ class TritonTc(MoEBackend):
 
     @classmethod
     def why_not(cls, device, dtype):
+        import torch
+
         why = _nvidia(device)
         if why is None and dtype == torch.float32:
             return "rounds activations to bf16; fp32 models use triton_fp32"
@@ -160,6 +167,8 @@ class TritonFp32(MoEBackend):
 
     @classmethod
     def why_not(cls, device, dtype):
+        import torch
+
         why = _nvidia(device)
         if why is None and dtype != torch.float32:
             return "is for fp32 models"
