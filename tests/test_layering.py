@@ -149,3 +149,20 @@ def test_the_walk_sees_lazy_imports():
     """Imports inside functions count (the MoE backends load their kernels lazily)."""
     assert "replicas.kernels.moe.hopper_bulk" in GRAPH["replicas.kernels.moe.backends"]
     assert "replicas.kernels.decode_ops" in GRAPH["replicas.models.gpt_oss"]
+
+
+def test_the_lane_wrappers_and_the_app_config_load_without_torch():
+    """Serve's lane wrapper processes (``deployments.replicas``) only create engine actors and read the app
+    config: importing them, and validating a config, must not load torch (a fresh interpreter checks it; the
+    engine actor imports the engine in its constructor)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, deployments.replicas, deployments.config\n"
+        "deployments.config.AppConfig.model_validate({'engine': {'moe_backend': 'auto'}})\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch')\n"
+        "assert not bad, bad[:5]\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
