@@ -74,8 +74,9 @@ def test_row_exact_forward_and_decode_step_compute_the_reference_function(models
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     torch.testing.assert_close(kv_got, kv_want, rtol=1e-5, atol=1e-5)
     kv = cache.tensor.clone()
-    step = exact.decode_static(torch.tensor([dec.all_token_ids[39]]), torch.tensor([39]),
-                               torch.tensor([dec.block_table]), _planes(kv))
+    step = exact.decode_static(torch.tensor([dec.all_token_ids[39]], device=DEVICE),
+                               torch.tensor([39], device=DEVICE),
+                               torch.tensor([dec.block_table], device=DEVICE), _planes(kv))
     torch.testing.assert_close(step.float(), want[1:], rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
