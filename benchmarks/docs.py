@@ -50,6 +50,27 @@ def _table(rows: list[dict], fields: tuple[str, ...]) -> list[str]:
     return lines
 
 
+def pivot(rows: list[dict], pivots: tuple[tuple[str, str, str], ...]) -> list[dict]:
+    """``rows`` with each ``(key, value, header)`` of ``pivots`` turned into columns: the rows that carry ``key``
+    and agree on every other field become one row, in first-seen order, with a column
+    ``header.format(row[key])`` holding the row's ``value``; rows without ``key`` pass through."""
+    for key, value, header in pivots:
+        merged: dict[tuple, dict] = {}
+        out: list[dict] = []
+        for r in rows:
+            if r.get(key) is None:
+                out.append(r)
+                continue
+            rest = {k: v for k, v in r.items() if k not in (key, value) and v is not None}
+            ident = tuple(sorted((k, repr(v)) for k, v in rest.items()))
+            if ident not in merged:
+                merged[ident] = dict(rest)
+                out.append(merged[ident])
+            merged[ident][header.format(r[key])] = r.get(value)
+        rows = out
+    return rows
+
+
 def render(folder: Path = RESULTS) -> str:
     """The page's text for the results in ``folder``.
 
@@ -73,7 +94,7 @@ def render(folder: Path = RESULTS) -> str:
                     f"([{doc['path'].name}](../{rel}))", ""]
             if doc.get("notes"):
                 out += [doc["notes"], ""]
-            out += [*_table(doc["rows"], study.fields), ""]
+            out += [*_table(pivot(doc["rows"], study.pivots), study.fields), ""]
     return "\n".join(out).rstrip() + "\n"
 
 

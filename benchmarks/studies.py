@@ -23,6 +23,9 @@ class Study:
         command: the module and default arguments (``python -m`` form) that measure it.
         fields: the row fields, in the order the docs table shows them (rows may carry more).
         machine: where it runs (``H200``, ``CPU``): the docs say where a number comes from.
+        pivots: ``(key, value, header)`` triples the docs table turns into columns: rows that differ only in
+            ``key`` and ``value`` become one row with a column per ``key`` holding its ``value``, headed
+            ``header.format(key's value)`` (a TTFT segment per column instead of a row per segment).
     """
 
     name: str
@@ -30,6 +33,7 @@ class Study:
     command: str
     fields: tuple[str, ...]
     machine: str = "H200"
+    pivots: tuple[tuple[str, str, str], ...] = ()
 
 
 STUDIES: dict[str, Study] = {s.name: s for s in (
@@ -42,7 +46,8 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
           "Where does the time to first token go between the client and the engine, and what CPU does each "
           "process spend per streamed token?",
           "bash benchmarks/recipes/gpu_serve.sh run DIR --models smollm2",
-          ("shape", "process", "concurrency", "segment", "ms", "cpu_ms_per_token")),
+          ("shape", "lane", "variant", "concurrency", "output_tok_s"),
+          pivots=(("segment", "ms", "{} ms"), ("process", "cpu_ms_per_token", "{} CPU ms/token"))),
     Study("batch_one",
           "How fast does one request decode and prefill on one GPU, engine alone, per lane?",
           "python -m benchmarks.engine --shapes gpt-oss-120b,gpt-oss-20b,smollm2-135m",

@@ -97,6 +97,15 @@ class Recipe:
             write_result("served_product", rows, self.out, notes=(
                 "Through Serve (the app over HTTP) and the engine alone in the same call, medians in ms; random "
                 "token-id prompts, greedy; GPT-OSS shapes with random weights, SmolLM2 with its real weights."))
+        hops = hops_rows(self.results)
+        if hops:
+            from benchmarks.results import write_result
+
+            write_result("serve_hops", hops, self.out, notes=(
+                "Segment rows: medians of requests one at a time, each request's spans on one clock (to_ingress: "
+                "client to the ingress's HTTP span; ingress: to the router's route span; to_replica; to_engine; "
+                "engine: the engine's own time to first token; back: first token to the client). CPU rows: CPU "
+                "time of each serving process per output token of the standard lane at that concurrency."))
 
     def render(self, results: dict) -> str:
         """``report.md`` of ``results``."""
@@ -647,6 +656,31 @@ def served_rows(results: dict) -> list[dict]:
             row["output_tok_s_serve"] = s.get("output_throughput")
             row["output_tok_s_engine"] = e.get("output_throughput")
             rows.append(row)
+    return rows
+
+
+#: the breakdown's process names as the ``serve_hops`` rows give them
+PROCESSES = {"ProxyActor": "proxy", "OpenAIIngress": "ingress", "ColocatedReplica": "co-located replica",
+             "PersistentReplica": "persistent replica", "StandardReplica": "standard replica",
+             "EngineActor": "engine actor"}
+SEGMENTS = ("to_ingress", "ingress", "to_replica", "to_engine", "engine", "back")
+
+
+def hops_rows(results: dict) -> list[dict]:
+    """The ``serve_hops`` study's rows (:mod:`benchmarks.studies`) from each model's ``breakdown``: per lane the
+    median of each TTFT segment (ms, one request at a time) and the TTFT, then per concurrency each serving
+    process's CPU time per streamed output token (ms)."""
+    rows = []
+    for model, res in results.get("models", {}).items():
+        for key, got in (res.get("breakdown") or {}).items():
+            if key in ("persistent", "standard"):
+                rows += [{"shape": model, "lane": key, "concurrency": 1, "segment": seg, "ms": got[seg]}
+                         for seg in SEGMENTS if seg in got]
+                rows.append({"shape": model, "lane": key, "concurrency": 1, "segment": "TTFT", "ms": got["ttft"]})
+            elif key.startswith("cpu_per_token"):
+                rows += [{"shape": model, "lane": "standard", "concurrency": got["concurrency"],
+                          "process": PROCESSES[name], "cpu_ms_per_token": got[name],
+                          "output_tok_s": got["output_tok_s"]} for name in PROCESSES if name in got]
     return rows
 
 

@@ -55,3 +55,19 @@ def test_runner_lists_the_studies(capsys):
     out = capsys.readouterr().out
     assert all(name in out for name in STUDIES)
     assert runner(["run", "made_up"]) == 2
+
+
+def test_pivot_turns_segment_rows_into_columns_and_keeps_other_rows():
+    from benchmarks.docs import pivot
+
+    rows = [{"lane": "persistent", "segment": "ingress", "ms": 2.8},
+            {"lane": "persistent", "segment": "engine", "ms": 22.6},
+            {"lane": "standard", "segment": "engine", "ms": 30.6},
+            {"lane": "standard", "concurrency": 8, "process": "ingress", "cpu_ms_per_token": 0.5},
+            {"lane": "standard", "concurrency": 8, "process": "proxy", "cpu_ms_per_token": 0.6},
+            {"lane": "standard", "note": "no pivot key"}]
+    got = pivot(rows, (("segment", "ms", "{} ms"), ("process", "cpu_ms_per_token", "{} CPU")))
+    assert got == [{"lane": "persistent", "ingress ms": 2.8, "engine ms": 22.6},
+                   {"lane": "standard", "engine ms": 30.6},
+                   {"lane": "standard", "concurrency": 8, "ingress CPU": 0.5, "proxy CPU": 0.6},
+                   {"lane": "standard", "note": "no pivot key"}]
