@@ -372,8 +372,9 @@ def run(args) -> list[Row]:
             lane = "persistent/cuda_graph" + (f" ({describe_variant(overrides)})" if overrides else "")
             row(lane, time_persistent(core, graph, prompt, args.new_tokens, args.reps), args.new_tokens,
                 count_kernels_per_token(graph))
-            if i == 0 and args.profile and shape == (args.profile_shape or args.shapes.split(",")[-1]):
-                profile_rows(graph, args.prompt_len + args.new_tokens // 2, label, args)
+            if args.profile and shape == (args.profile_shape or args.shapes.split(",")[-1]):
+                profile_rows(graph, args.prompt_len + args.new_tokens // 2,
+                             label + (f" ({describe_variant(overrides)})" if overrides else ""), args)
             del graph
             if i == 0 and "persistent/eager" not in args.skip_lanes:
                 row("persistent/eager", time_persistent(core, create_backend("eager", core), prompt, slow_tokens,
@@ -572,7 +573,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--hf-compile", action="store_true", help="also time transformers static cache + compile")
     p.add_argument("--hf-120b", action="store_true", help="try transformers on gpt-oss-120b too (needs ~240 GB)")
     p.add_argument("--profile", action="store_true",
-                   help="per-kernel breakdown of one decode step of the last shape, and the host gap")
+                   help="per-kernel breakdown of one decode step of the last shape (each variant's too), and the "
+                        "host gap")
     p.add_argument("--profile-shape", help="the shape --profile breaks down (default: the last)")
     p.add_argument("--variants", default="",
                    help="also time the persistent lane with models built under these engine settings, "
