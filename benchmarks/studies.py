@@ -77,8 +77,8 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
     Study("engine_host",
           "How much of the standard engine's time per output token is host work outside the model and the sampler?",
           "python -m benchmarks.host --concurrency 8 32 --sampling greedy sampled",
-          ("shape", "concurrency", "sampling", "label", "host_ms_per_token", "sample_ms_per_token",
-           "forward_ms_per_token"), machine="CPU"),
+          ("shape", "variant", "concurrency", "sampling", "label", "wall_ms_per_token", "cpu_ms_per_token",
+           "host_ms_per_token", "sample_ms_per_token", "forward_ms_per_token"), machine="CPU"),
     Study("first_burst",
           "Are the first concurrent greedy streams after start slower on the router's own choice than forced "
           "standard, and is that the first burst or the lane?",
