@@ -1,10 +1,12 @@
 """A real local Ray cluster running the real Serve app over real HTTP, shared by this folder's tests.
 
-Two applications are deployed once per session on one Serve instance:
-``/`` with ``--persistent-decoder auto`` and ``/off`` with ``--persistent-decoder off`` (and
-``direct_stream`` off, so its chunks come back through Ray),
-``/gptoss`` (a tiny random GPT-OSS) and ``/harmony`` (the tiny GPT-OSS trained to answer in
-harmony form, :mod:`ops.tools.make_tiny_harmony_model`; built once and cached).
+The ``server`` fixture deploys ``/`` (``--persistent-decoder auto``) once per session on one Serve instance.
+Three more session apps are deployed on the same instance the first time a test asks for them, and then
+kept: ``off_app`` at ``/off`` (``--persistent-decoder off`` and ``direct_stream`` off, so its chunks come
+back through Ray), ``gptoss_app`` at ``/gptoss`` (a tiny random GPT-OSS) and ``harmony_app`` at
+``/harmony`` (the tiny GPT-OSS trained to answer in harmony form,
+:mod:`ops.tools.make_tiny_harmony_model`; built once and cached). A stage that needs only ``/`` (the soak)
+deploys only it.
 Tracing goes over OTLP/HTTP to a real receiver started here. Ray's metrics
 export endpoint (Prometheus text) is at :func:`metrics_url`, reporting every second.
 """
@@ -54,10 +56,14 @@ def tiny_harmony_model():
 HARMONY_MODEL = "tiny-harmony"
 
 
+_SESSION: dict = {}
+"""The session Serve instance: ``base`` URL, the apps' ``common`` config and ``apps`` deployed so far (name ->
+base URL)."""
+
+
 @pytest.fixture(scope="session")
-def server(otlp, tiny_gpt_oss, tiny_harmony_model):
-    """Base URL of the running app (auto mode); ``/off`` serves the off-mode app and
-    ``/gptoss`` a tiny random GPT-OSS checkpoint (auto mode)."""
+def server(otlp):
+    """Base URL of the running app (auto mode) on the session's Ray cluster and Serve instance."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
@@ -72,27 +78,50 @@ def server(otlp, tiny_gpt_oss, tiny_harmony_model):
     common = {"max_model_len": 1024, "num_kv_blocks": 256, "tracing_exporter": "otlp",
               "tracing_endpoint": otlp.endpoint, "progress": False}
     serve.run(build_app({**common, "persistent_decoder": "auto"}), name="auto", route_prefix="/")
-    # /off also sends every chunk back through Ray (direct_stream off): that path stays tested
-    serve.run(build_app({**common, "persistent_decoder": "off", "direct_stream": False}), name="off",
-              route_prefix="/off")
-    serve.run(build_app({**common, "model": str(tiny_gpt_oss), "served_model_name": "tiny-gpt-oss",
-                         "max_model_len": 512, "num_kv_blocks": 64}), name="gptoss", route_prefix="/gptoss")
-    from ops.tools.make_tiny_harmony_model import TRAIN_DATE
-
-    serve.run(build_app({**common, "model": str(tiny_harmony_model), "served_model_name": HARMONY_MODEL,
-                         "max_model_len": 512, "num_kv_blocks": 64, "harmony_start_date": TRAIN_DATE,
-                         "engine_num_cpus": 0.1}), name="harmony", route_prefix="/harmony")
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
+    wait_healthy(base)
+    _SESSION.update(base=base, common=common, apps={"auto": base})
     yield base
+    _SESSION.clear()
     serve.shutdown()
     ray.shutdown()
+
+
+def _session_app(name: str, **config) -> str:
+    """Base URL of the session app ``/<name>``, deployed with ``config`` over the session's common config the
+    first time it is asked for and kept for the rest of the session."""
+    if name not in _SESSION["apps"]:
+        from ray import serve
+
+        from deployments.app import build_app
+
+        serve.run(build_app({**_SESSION["common"], **config}), name=name, route_prefix=f"/{name}")
+        wait_healthy(f"{_SESSION['base']}/{name}")
+        _SESSION["apps"][name] = f"{_SESSION['base']}/{name}"
+    return _SESSION["apps"][name]
+
+
+@pytest.fixture(scope="session")
+def off_app(server):
+    """``/off``: ``--persistent-decoder off``, and every chunk back through Ray (``direct_stream`` off), so that
+    path stays tested."""
+    return _session_app("off", persistent_decoder="off", direct_stream=False)
+
+
+@pytest.fixture(scope="session")
+def gptoss_app(server, tiny_gpt_oss):
+    """``/gptoss``: a tiny random GPT-OSS checkpoint (auto mode)."""
+    return _session_app("gptoss", model=str(tiny_gpt_oss), served_model_name="tiny-gpt-oss", max_model_len=512,
+                        num_kv_blocks=64)
+
+
+@pytest.fixture(scope="session")
+def harmony_app(server, tiny_harmony_model):
+    """``/harmony``: the tiny GPT-OSS that answers in harmony form (auto mode)."""
+    from ops.tools.make_tiny_harmony_model import TRAIN_DATE
+
+    return _session_app("harmony", model=str(tiny_harmony_model), served_model_name=HARMONY_MODEL,
+                        max_model_len=512, num_kv_blocks=64, harmony_start_date=TRAIN_DATE, engine_num_cpus=0.1)
 
 
 _metrics_port: int | None = None
@@ -127,10 +156,8 @@ def client(server):
     openai = pytest.importorskip("openai")
     c = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
     yield c
-    assert_pages_returned(server)
-    assert_pages_returned(f"{server}/off")
-    assert_pages_returned(f"{server}/gptoss")
-    assert_pages_returned(f"{server}/harmony")
+    for base in list(_SESSION.get("apps", {}).values()):  # every session app deployed so far
+        assert_pages_returned(base)
 
 
 def wait_healthy(base: str, timeout: float = 120.0) -> None:

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.ray
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_tiny_gpt_oss_chat_on_both_lanes(server):
-    client = openai.OpenAI(base_url=f"{server}/gptoss/v1", api_key="unused", max_retries=0, timeout=120)
+def test_tiny_gpt_oss_chat_on_both_lanes(gptoss_app):
+    client = openai.OpenAI(base_url=f"{gptoss_app}/v1", api_key="unused", max_retries=0, timeout=120)
     assert [m.id for m in client.models.list().data] == ["tiny-gpt-oss"]
     greedy = client.chat.completions.with_raw_response.create(
         model="tiny-gpt-oss", messages=MESSAGES, temperature=0, max_tokens=24, extra_body={"ignore_eos": True})

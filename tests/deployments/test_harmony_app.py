@@ -40,10 +40,10 @@ def _answer(ex) -> str:
 
 
 @pytest.fixture
-def harmony(server):
-    c = openai.OpenAI(base_url=f"{server}/harmony/v1", api_key="unused", max_retries=0, timeout=120)
+def harmony(harmony_app):
+    c = openai.OpenAI(base_url=f"{harmony_app}/v1", api_key="unused", max_retries=0, timeout=120)
     yield c
-    assert_pages_returned(f"{server}/harmony")
+    assert_pages_returned(harmony_app)
 
 
 def _chat(client, ex, lane: str | None = None, stream: bool = False, **extra):
@@ -99,7 +99,7 @@ def test_include_reasoning_false_omits_it(harmony):
     assert msg.content == _answer(EX["capital"]) and "reasoning_content" not in (msg.model_extra or {})
 
 
-def test_reasoning_effort_changes_the_rendered_prompt(harmony, server):
+def test_reasoning_effort_changes_the_rendered_prompt(harmony_app, harmony):
     answers = {}
     for name in ("capital_low", "capital", "capital_high"):
         _, body = _chat(harmony, EX[name])
@@ -107,8 +107,8 @@ def test_reasoning_effort_changes_the_rendered_prompt(harmony, server):
         assert answers[name] == _reasoning(EX[name])
     assert len(set(answers.values())) == 3
     # the prompt itself: the system message's `Reasoning:` line
-    ids = httpx.post(f"{server}/harmony/tokenize", json={"messages": EX["capital"].messages}).json()["tokens"]
-    text = httpx.post(f"{server}/harmony/detokenize", json={"tokens": ids}).json()["prompt"]
+    ids = httpx.post(f"{harmony_app}/tokenize", json={"messages": EX["capital"].messages}).json()["tokens"]
+    text = httpx.post(f"{harmony_app}/detokenize", json={"tokens": ids}).json()["prompt"]
     assert "Reasoning: medium" in text and text.endswith("<|start|>assistant")
 
 
@@ -238,8 +238,8 @@ def test_responses_json_schema_text_format(harmony):
     jsonschema.validate(json.loads(r.output_text), CAPITAL_SCHEMA)
 
 
-def test_responses_errors(harmony, server):
-    url = f"{server}/harmony/v1/responses"
+def test_responses_errors(harmony_app, harmony):
+    url = f"{harmony_app}/v1/responses"
     r = httpx.post(url, json={"model": HARMONY_MODEL, "input": "hi", "previous_response_id": "resp_1"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
     r = httpx.post(url, json={"model": HARMONY_MODEL, "input": [{"type": "image", "url": "x"}]})
@@ -351,10 +351,10 @@ def test_response_format_constrains_the_whole_reply(harmony, fmt):
     jsonschema.validate(json.loads(r.output_text), schema)
 
 
-def test_tokenize_takes_the_chat_fields(harmony, server):
+def test_tokenize_takes_the_chat_fields(harmony_app, harmony, server):
     """``/tokenize`` with tools / reasoning_effort / response_format gives the chat endpoint's prompt_tokens;
     unknown fields and chat fields with a prompt are refused."""
-    url = f"{server}/harmony/tokenize"
+    url = f"{harmony_app}/tokenize"
     for ex in (EX["weather_call"], EX["capital_high"], EX["capital_json"]):
         req = ex.request()
         ids = httpx.post(url, json={k: v for k, v in req.items() if k != "temperature"}, timeout=30).json()["tokens"]
@@ -375,7 +375,7 @@ def test_tokenize_takes_the_chat_fields(harmony, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"  # SmolLM2: no tool format, as chat
 
 
-def test_readme_example_runs_as_printed(server, capsys):
+def test_readme_example_runs_as_printed(harmony_app, capsys):
     """The README's GPT-OSS example, exactly as printed but for the address and the served name, against the tiny
     harmony model: every request is one it was trained on, so the printed answers are the trained ones."""
     import contextlib
@@ -386,7 +386,7 @@ def test_readme_example_runs_as_printed(server, capsys):
     section = readme.split("## GPT-OSS: reasoning, tools, structured outputs, Responses", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert 'base_url="http://127.0.0.1:8000/v1"' in code and code.count('model="gpt-oss"') == 5
-    code = code.replace("http://127.0.0.1:8000/v1", f"{server}/harmony/v1").replace(
+    code = code.replace("http://127.0.0.1:8000/v1", f"{harmony_app}/v1").replace(
         'model="gpt-oss"', f'model="{HARMONY_MODEL}"')
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

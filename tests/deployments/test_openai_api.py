@@ -212,23 +212,24 @@ def test_stop_strings_never_in_text(client):
     assert body.choices[0].finish_reason == "stop" and "Paris" not in body.choices[0].text
 
 
-LANES = [pytest.param("", id="auto"), pytest.param("/off", id="off")]
-"""Both apps: on ``auto`` greedy requests with penalties stay off the persistent lane (reason logits_processing);
-``min_tokens`` runs there (its bans are applied on the host)."""
+LANES = [pytest.param("server", id="auto"), pytest.param("off_app", id="off")]
+"""Both apps (their fixtures): on ``auto`` greedy requests with penalties stay off the persistent lane (reason
+logits_processing); ``min_tokens`` runs there (its bans are applied on the host)."""
 
 
-def _client_for(server: str, prefix: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}{prefix}/v1", api_key="unused", max_retries=0, timeout=120)
+def _client_for(request, app: str) -> openai.OpenAI:
+    base = request.getfixturevalue(app)
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.mark.parametrize("prefix", LANES)
-def test_min_tokens_masks_eos_greedy(client, server, prefix):
-    c = _client_for(server, prefix)
+@pytest.mark.parametrize("app", LANES)
+def test_min_tokens_masks_eos_greedy(client, request, app):
+    c = _client_for(request, app)
     base = c.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=64)
     assert base.choices[0].finish_reason == "stop" and base.usage.completion_tokens < 20
     raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=30,
                                                       extra_body={"min_tokens": 20})
-    assert raw.headers["x-lane"] == ("standard" if prefix else "persistent")
+    assert raw.headers["x-lane"] == ("standard" if app == "off_app" else "persistent")
     body = raw.parse()
     assert body.usage.completion_tokens >= 20
     # EOS is masked (the runner-up token is taken), not sampled and then skipped in the text: the same
@@ -254,12 +255,12 @@ def test_min_tokens_above_max_tokens_is_400(client):
     assert info.value.response.json()["error"]["param"] == "min_tokens"
 
 
-@pytest.mark.parametrize("prefix", LANES)
+@pytest.mark.parametrize("app", LANES)
 @pytest.mark.parametrize("extra", [{"frequency_penalty": 1.5}, {"presence_penalty": 1.5},
                                    {"extra_body": {"repetition_penalty": 1.5}}],
                          ids=["frequency", "presence", "repetition"])
-def test_penalties_change_greedy_output(client, server, prefix, extra):
-    c = _client_for(server, prefix)
+def test_penalties_change_greedy_output(client, request, app, extra):
+    c = _client_for(request, app)
     kwargs = dict(model=MODEL, messages=POEM, temperature=0, max_tokens=48)
     plain = c.chat.completions.create(**kwargs).choices[0].message.content
     raw = c.chat.completions.with_raw_response.create(**kwargs, **extra)

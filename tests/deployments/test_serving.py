@@ -118,7 +118,7 @@ def test_lanes_give_identical_greedy_text(client):
     assert persistent.choices[0].message.content == standard.choices[0].message.content
 
 
-def test_output_comes_over_the_direct_stream_and_matches_the_ray_path(server):
+def test_output_comes_over_the_direct_stream_and_matches_the_ray_path(server, off_app):
     """On ``/`` (``direct_stream`` on) both lanes' chunks come over the engines' direct streams once the
     engines are connected (the router counts such dispatches, each engine reports its connection);
     ``/off`` sends them back through Ray (``direct_stream`` off there), and the greedy text is the same."""
@@ -149,9 +149,9 @@ def test_output_comes_over_the_direct_stream_and_matches_the_ray_path(server):
     assert direct["connections"] >= 2 and direct["refused"] == 0
     for lane in ("persistent", "standard"):
         assert all(e["direct_streams"]["connected"] >= 1 for e in after[lane]["engines"]), after[lane]
-    off = pool_stats(f"{server}/off")
+    off = pool_stats(off_app)
     assert off["router"]["direct_stream"] == {"enabled": False, "dispatches": 0}
-    ray_path = text(f"{server}/off", None)
+    ray_path = text(off_app, None)
     assert len({*texts["persistent"], *texts["standard"], ray_path}) == 1, (texts, ray_path)
     assert off["standard"]["engines"][0]["direct_streams"]["connected"] == 0
 
@@ -201,7 +201,7 @@ def test_models_and_health(server):
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
 
 
-def test_models_retrieve(client, server):
+def test_models_retrieve(harmony_app, client):
     """``GET /v1/models/{id}`` (``client.models.retrieve``): the served model's card, else 404 model_not_found."""
     card = client.models.retrieve(MODEL)
     assert (card.id, card.object, card.owned_by) == (MODEL, "model", "persistent-serve")
@@ -209,12 +209,12 @@ def test_models_retrieve(client, server):
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve("gpt-5")
     assert info.value.response.json()["error"]["code"] == "model_not_found"
-    r = httpx.get(f"{server}/harmony/v1/models/{HARMONY_MODEL}")
+    r = httpx.get(f"{harmony_app}/v1/models/{HARMONY_MODEL}")
     assert r.status_code == 200 and r.json()["id"] == HARMONY_MODEL
 
 
-def test_off_mode_serves_everything_on_standard_lane(server, otlp):
-    c = openai.OpenAI(base_url=f"{server}/off/v1", api_key="unused", max_retries=0, timeout=120)
+def test_off_mode_serves_everything_on_standard_lane(off_app, otlp):
+    c = openai.OpenAI(base_url=f"{off_app}/v1", api_key="unused", max_retries=0, timeout=120)
     raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=16)
     assert raw.headers["x-lane"] == "standard"
     assert "Paris" in raw.parse().choices[0].message.content

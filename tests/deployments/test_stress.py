@@ -35,8 +35,9 @@ def test_soak_of_1000_mixed_requests_loses_nothing_and_leaks_no_pages(server):
 
 @pytest.fixture(scope="module")
 def fuzz_app(server, otlp):
-    # a short context keeps every generated completion short (the fuzzer picks max_tokens freely)
-    with extra_app(server, otlp, "fuzz", max_model_len=96, num_kv_blocks=128) as base:
+    # a short context keeps every generated completion short (the fuzzer picks max_tokens freely; the 200s of
+    # chat and responses were 550 of the run's 630 s at 96 tokens). A chat prompt is 31 tokens at the least.
+    with extra_app(server, otlp, "fuzz", max_model_len=64, num_kv_blocks=128) as base:
         yield base
 
 
