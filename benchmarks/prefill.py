@@ -886,6 +886,9 @@ def main(argv: list[str] | None = None) -> Report | None:
     p.add_argument("--tflops", type=float, default=790.0, help="dense bf16 TFLOP/s for the floors (H200, measured)")
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                    help="engine config field for the model parts (repeatable), e.g. batch_invariant=true")
+    p.add_argument("--concurrency", type=lambda v: tuple(int(c) for c in v.split(",")), default=None,
+                   help="the standard-lane sweep's concurrencies, comma-separated (default 1,8,16,64,256; the KV "
+                        "cache is sized for the largest: on an 80 GB card gpt-oss-120b fits up to 64)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, Triton's interpreter, tiny shapes: checks that the script runs (numbers meaningless)")
     args = p.parse_args(argv)
@@ -897,6 +900,8 @@ def main(argv: list[str] | None = None) -> Report | None:
         args.new_tokens = min(args.new_tokens, 4)
     elif not torch.cuda.is_available():
         raise SystemExit("benchmarks.prefill needs a CUDA GPU (or --smoke)")
+    if args.concurrency:
+        S.concurrency = args.concurrency
     rep = Report(Path(args.out), argv, args.budget_s)
     runners = {"kernels": part_kernels, "lanes": part_lanes, "tiles": part_tiles,
                "hf": part_hf,

@@ -14,7 +14,8 @@
 # then "lanes on off"): tests, batch_one (benchmarks.engine on gpt-oss-120b), baseline (the same benchmark
 # from an older tree carried in BASELINE_TREE, its ops.bench.engine or benchmarks.engine, so that a card other
 # than the results' can still say whether a number moved), lanes, on, off. Budgets (seconds, environment):
-# TESTS_S (360), BATCH_ONE_S (150), LANES_S (150), MODEL_S (each 120b sweep, 200). Whatever a step did not
+# TESTS_S (360), BATCH_ONE_S (150), LANES_S (150), MODEL_S (each 120b sweep, 200); SWEEP_C, the sweep's
+# concurrencies (1,8,16,64,256; on an 80 GB card 1,8,16,64 fits). Whatever a step did not
 # finish is still in $OUT (the benchmarks rewrite their files after every table).
 set -uo pipefail
 wheels=${1:?usage: gpu_engine.sh WHEEL_DIR}
@@ -43,7 +44,8 @@ for mode in on off; do
   [[ $steps == *" $mode "* ]] || continue
   flag=false; [ "$mode" = on ] && flag=true
   timeout "${MODEL_S:-200}" python3 -m benchmarks.prefill --out "$out/$mode" --parts gpt-oss-120b --reps 2 \
-    --engine "batch_invariant=$flag" --budget-s "$(( ${MODEL_S:-200} - 20 ))" 2>&1 | grep -B2 -A12 "^### " | tail -40
+    --engine "batch_invariant=$flag" --concurrency "${SWEEP_C:-1,8,16,64,256}" \
+    --budget-s "$(( ${MODEL_S:-200} - 20 ))" 2>&1 | grep -B2 -A12 "^### " | tail -40
 done
 # at most 8 files come back from $OUT: the reports were printed above; keep only errors that happened
 find "$out" -name report.md -delete
