@@ -117,9 +117,10 @@ class EngineConfig(BaseModel):
     )
 
     blocking_sync: bool = Field(
-        False, description="Standard lane on a GPU: the engine thread waits for each step's forward on a "
-        "blocking CUDA event (it sleeps, leaving the core and the GIL to the actor's output path) instead of "
-        "spinning in the read of the sampled tokens (CUDA's default for one context per process). The "
+        False, description="Standard lane on a GPU: the engine thread waits for each step's forward and token "
+        "picks on a blocking CUDA event recorded after the picks are queued (it sleeps, leaving the core and the "
+        "GIL to the actor's output path) instead of spinning in the read of the sampled tokens (CUDA's default "
+        "for one context per process). The "
         "persistent lane always spins: its quanta are latency-bound. Ignored on CPU.",
     )
 

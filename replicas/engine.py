@@ -72,6 +72,12 @@ class LLMEngine:
         self._forward_done = (torch.cuda.Event(blocking=True)
                               if cfg.blocking_sync and core.runner.device.type == "cuda" else None)
 
+    def _wait_for_device(self) -> None:
+        """Sleep until the step's forward and picks are done (``EngineConfig.blocking_sync``): called by the
+        sampler after it queued the picks, so the picks run right behind the forward, not after the wake-up."""
+        self._forward_done.record()
+        self._forward_done.synchronize()
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (``params.n`` sequences).
 
@@ -133,9 +139,6 @@ class LLMEngine:
             logits, prompt_rows = self.core.runner.execute_with_prompt_logits(batch, want)
         else:
             logits, prompt_rows = self.core.runner.execute(batch), None
-        if self._forward_done is not None:  # sleep through the forward rather than spin in the token read
-            self._forward_done.record()
-            self._forward_done.synchronize()
         rows, sampled = [], []
         for i, (req, n) in enumerate(batch):
             if prompt_rows is not None and prompt_rows[i] is not None:
@@ -146,7 +149,8 @@ class LLMEngine:
                 rows.append(self._sampling_row(self._tracked[req.request_id]))
         if not sampled:
             return []
-        out = sample_rows(logits if len(sampled) == len(batch) else logits[sampled], rows)  # pure decode: no gather
+        out = sample_rows(logits if len(sampled) == len(batch) else logits[sampled], rows,  # pure decode: no gather
+                          before_read=self._wait_for_device if self._forward_done is not None else None)
         chunks = []
         for j, i in enumerate(sampled):
             tracked = self._tracked[batch[i][0].request_id]

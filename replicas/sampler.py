@@ -425,12 +425,14 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) 
             for t, c, i, v in zip(targets, chosen, top_i, top_v, strict=True)]
 
 
-def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+def sample_rows(logits: torch.Tensor, rows: list[SamplingRow], before_read=None) -> SamplerOutput:
     """Pick one token per row (see the module docstring for the pipeline and its sources).
 
     Args:
         logits: ``[B, vocab]`` float logits from the model (fp32 expected); not modified.
         rows: ``B`` rows, ``rows[i]`` describing ``logits[i]``.
+        before_read: called with no arguments once the picks are queued on the device and before they are
+            read to the host (the engine's blocking wait, ``EngineConfig.blocking_sync``).
 
     Returns:
         :class:`SamplerOutput` with ``B`` token ids and ``B`` logprob entries.
@@ -445,6 +447,8 @@ def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     if slow:
         x = logits[slow].float()  # advanced indexing: a private copy
         tokens[slow] = _process_and_pick(x, [rows[i] for i in slow])
+    if before_read is not None:
+        before_read()
     logprobs = _logprobs(logits, rows, tokens)
     return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
 
