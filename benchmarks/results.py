@@ -40,16 +40,19 @@ def machine() -> str:
 
 
 def git_commit() -> str:
-    """``$GIT_COMMIT`` (a GPU machine gets the tree without ``.git``), else ``git rev-parse --short HEAD``, else
-    ``unknown``."""
+    """``$GIT_COMMIT`` (a GPU machine gets the tree without ``.git``), else ``git rev-parse --short HEAD`` of this
+    checkout, else ``unknown`` (also when the nearest git repository is another one above the tree: a copied
+    tree inside some other checkout must not take that checkout's commit)."""
     commit = os.environ.get("GIT_COMMIT")
     if commit:
         return commit
+    root = Path(__file__).resolve().parents[1]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+        top, head = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], capture_output=True,
+                                   text=True, check=True, cwd=root).stdout.split()
+    except (OSError, subprocess.CalledProcessError, ValueError):
         return "unknown"
+    return head if Path(top).resolve() == root else "unknown"
 
 
 def command_line(argv: list[str] | None = None) -> str:

@@ -71,3 +71,27 @@ def test_pivot_turns_segment_rows_into_columns_and_keeps_other_rows():
                    {"lane": "standard", "engine ms": 30.6},
                    {"lane": "standard", "concurrency": 8, "ingress CPU": 0.5, "proxy CPU": 0.6},
                    {"lane": "standard", "note": "no pivot key"}]
+
+
+def test_a_tree_copied_into_another_checkout_does_not_take_its_commit(tmp_path):
+    """On a GPU machine the tree comes without ``.git``; a repository above it is someone else's."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    outer = tmp_path / "outer"
+    tree = outer / "tree"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "benchmarks", tree / "benchmarks",
+                    ignore=shutil.ignore_patterns("results", "__pycache__"))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q", str(outer)], check=True)
+    subprocess.run([*git, "-C", str(outer), "commit", "-q", "--allow-empty", "-m", "other"], check=True)
+    env = {k: v for k, v in os.environ.items() if k != "GIT_COMMIT"}
+    out = subprocess.run([sys.executable, "-c", "from benchmarks.results import git_commit; print(git_commit())"],
+                         cwd=tree, env={**env, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "unknown"
+    from benchmarks.results import git_commit
+
+    assert git_commit() not in ("", "unknown")  # this checkout's own commit
