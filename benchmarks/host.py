@@ -125,20 +125,18 @@ def _core(args, spec: str):
     """The engine core of one ``--engine`` config: the embedded model (or ``--model``), or ``--shape`` with random
     weights and a KV cache for ``max(--concurrency)`` requests."""
     from benchmarks.engine import build_core, parse_variant
+    from replicas.config import EngineConfig
+    from replicas.engine import EngineCore
 
     overrides = parse_variant(spec)
     if args.shape:
         import torch
 
-        from replicas.config import EngineConfig
-
-        resolved = EngineConfig(device=args.device)
+        device = EngineConfig(device=args.device).resolved_device()
         max_len = args.prompt_len + args.max_tokens + 16
         overrides = {"max_num_seqs": max(args.concurrency),
                      "num_kv_blocks": max(args.concurrency) * -(-max_len // 16) + 8, **overrides}
-        return build_core(args.shape, resolved.resolved_device(), getattr(torch, args.dtype), max_len, overrides)
-    from replicas.config import EngineConfig
-    from replicas.engine import EngineCore
+        return build_core(args.shape, device, getattr(torch, args.dtype), max_len, overrides)
 
     fields = {"device": args.device, "progress": False, "max_num_seqs": max(args.concurrency), **overrides}
     if args.model:
