@@ -90,17 +90,15 @@ class Recipe:
     def save(self) -> None:
         (self.out / "summary.json").write_text(json.dumps(self.results, indent=2, default=str))
         (self.out / "report.md").write_text(self.render(self.results))
+        from benchmarks.results import write_result
+
         rows = served_rows(self.results)
         if rows:
-            from benchmarks.results import write_result
-
             write_result("served_product", rows, self.out, notes=(
                 "Through Serve (the app over HTTP) and the engine alone in the same call, medians in ms; random "
                 "token-id prompts, greedy; GPT-OSS shapes with random weights, SmolLM2 with its real weights."))
         hops = hops_rows(self.results)
         if hops:
-            from benchmarks.results import write_result
-
             write_result("serve_hops", hops, self.out, notes=(
                 "Segment rows: medians of requests one at a time, each request's spans on one clock (to_ingress: "
                 "client to the ingress's HTTP span; ingress: to the router's route span; to_replica; to_engine; "
