@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--results", default=None, help="folder for the result JSON (e.g. benchmarks/results)")
     args = p.parse_args(argv)
 
+    from benchmarks.engine import parse_variant
+
     rows = []
     for spec in args.engine:
         core = _core(args, spec)
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         for _ in range(args.repeats)]
                 run = sorted(runs, key=lambda r: r["host_ms_per_token"])[len(runs) // 2]
                 row = {"shape": args.shape or core.config.name, "lane": "standard", "variant": spec or None,
+                       "engine": {k: getattr(core.config, k) for k in parse_variant(spec)},  # as the engine loaded it
                        "concurrency": c, "sampling": sampling, **run, "label": args.label,
                        "host_ms_per_token_runs": [r["host_ms_per_token"] for r in runs]}
                 rows.append(row)

@@ -35,7 +35,7 @@ loops over rows that carry their own generator.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -425,7 +425,8 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) 
             for t, c, i, v in zip(targets, chosen, top_i, top_v, strict=True)]
 
 
-def sample_rows(logits: torch.Tensor, rows: list[SamplingRow], before_read=None) -> SamplerOutput:
+def sample_rows(logits: torch.Tensor, rows: list[SamplingRow],
+                before_read: Callable[[], None] | None = None) -> SamplerOutput:
     """Pick one token per row (see the module docstring for the pipeline and its sources).
 
     Args:

@@ -28,5 +28,5 @@ def test_host_benchmark_runs_a_random_weight_shape_under_each_engine_config():
     rows = main(["--shape", "smollm2-135m", "--device", "cpu", "--dtype", "float32", "--prompt-len", "12",
                  "--max-tokens", "3", "--concurrency", "2", "--sampling", "greedy", "--repeats", "1",
                  "--engine", "", "enable_prefix_caching=true"])
-    assert [(r["shape"], r["variant"], r["tokens"]) for r in rows] == [
-        ("smollm2-135m", None, 6), ("smollm2-135m", "enable_prefix_caching=true", 6)]
+    assert [(r["shape"], r["variant"], r["engine"], r["tokens"]) for r in rows] == [
+        ("smollm2-135m", None, {}, 6), ("smollm2-135m", "enable_prefix_caching=true", {"enable_prefix_caching": True}, 6)]

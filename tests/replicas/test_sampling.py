@@ -288,18 +288,24 @@ def test_detokenizer_stop_string_before_a_split_multibyte_character(tokenizer):
     assert "".join(deltas) == "Hello ab"  # streamed: "Hello abc" (the "c" of the stop leaks)
 
 
-def test_sample_rows_calls_before_read_once_after_queueing_the_picks():
+def test_sample_rows_calls_before_read_once_after_queueing_the_picks(monkeypatch):
     """The engine's blocking wait (``EngineConfig.blocking_sync``) runs once per step, after every pick is queued
     (greedy and sampled rows alike) and before the ids are read; the picks are the same with or without it."""
+    import replicas.sampler as sampler
     from replicas.sampler import SamplingRow, sample_rows
 
+    order = []
+    pick, logprobs = sampler._process_and_pick, sampler._logprobs
+    monkeypatch.setattr(sampler, "_process_and_pick", lambda *a: (order.append("pick"), pick(*a))[1])
+    monkeypatch.setattr(sampler, "_logprobs", lambda *a: (order.append("read"), logprobs(*a))[1])
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     sampled = SamplingParams(temperature=0.8, seed=3)
     rows = [SamplingRow(SamplingParams(temperature=0.0), None, [1], []),
             SamplingRow(sampled, make_generator(sampled), [1], []),
             SamplingRow(SamplingParams(temperature=0.0), None, [2], [])]
     calls = []
-    got = sample_rows(logits, rows, before_read=lambda: calls.append(1))
+    got = sample_rows(logits, rows, before_read=lambda: (calls.append(1), order.append("wait")))
+    assert order == ["pick", "wait", "read"]
     rows[1] = SamplingRow(sampled, make_generator(sampled), [1], [])
     assert calls == [1]
     assert got.token_ids == sample_rows(logits, rows).token_ids
