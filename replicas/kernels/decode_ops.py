@@ -387,9 +387,9 @@ class DecodeOps:
         if self.moe is None:
             raise RuntimeError("DecodeOps built without a MoE backend (moe_backend=None)")
         if self.batch_invariant:
-            parts = self.moe.row_exact_partials(x, weights, ids, experts, prefill)
+            parts = self.moe.row_exact_partials(x, weights, ids, experts, prefill, x_mxfp4)
         else:
-            parts = self.moe.partials(x, weights, ids, experts, x_mxfp4)
+            parts = self.moe.partials(x, weights, ids, experts, x_mxfp4, prefill)
         if parts is not None:
             return self.add_rmsnorm(residual, parts, norm, weight_in_fp32)
         return self.add_rmsnorm(self.moe(x, weights, ids, experts, residual=residual), None, norm, weight_in_fp32)
@@ -398,7 +398,8 @@ class DecodeOps:
     def takes_mxfp4_activations(self) -> bool:
         """Whether the MoE kernel reads its activations in the tensor-core format (the add+RMSNorm launch
         before it then writes them too: ``mxfp4_out=True``)."""
-        return self.moe is not None and self.moe.takes_mxfp4_activations and not self.batch_invariant
+        return (self.moe is not None and self.moe.takes_mxfp4_activations
+                and (not self.batch_invariant or self.moe.row_exact_decode))
 
 
 def _triton_importable() -> bool:

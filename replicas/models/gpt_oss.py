@@ -205,8 +205,8 @@ class MLP(nn.Module):
 
     ``ops`` (set by :meth:`GptOssForCausalLM.use_ops`) decides the kernels: with Triton, the router's
     top-k kernel and the model's MoE backend (its decode kernel for up to
-    :data:`~replicas.kernels.moe.DECODE_MAX_TOKENS` tokens, dequantize-then-GEMM above); with the torch
-    references, :class:`Router` and :class:`Experts` as transformers computes them."""
+    :data:`~replicas.kernels.moe.DECODE_MAX_TOKENS` tokens, the grouped GEMMs or the dequantization above);
+    with the torch references, :class:`Router` and :class:`Experts` as transformers computes them."""
 
     def __init__(self, cfg: GptOssConfig):
         super().__init__()
@@ -396,7 +396,7 @@ class GptOssForCausalLM(CausalLM):
         x = self.model.embed_tokens(token)  # [B, hidden]
         _, h = ops.add_rmsnorm(x, None, layers[0].input_layernorm, True)
         # the post-attention norm also writes the MoE kernels' activation format when they read it
-        mx = ops.takes_mxfp4_activations and x.shape[0] <= DECODE_MAX_TOKENS
+        mx = ops.takes_mxfp4_activations and x.shape[0] <= ops.moe.decode_max_tokens
         for i, (layer, (kp, vp)) in enumerate(zip(layers, kv_planes, strict=True)):
             attn = layer.self_attn
             q = ops.rope_kv_write(attn, h, self.rope_cos, self.rope_sin, position, block_table, kp, vp,

@@ -371,3 +371,125 @@ def test_gpt_oss_load_resolves_and_records_its_kernels():
     assert kernels["moe_backend"] in ("hopper_bulk", "triton_tc") and kernels["decode_graphs"]
     core = dummy_core("tiny-gpt-oss", torch.bfloat16, max_model_len=256, moe_backend="triton_tc", pdl=False)
     assert core.describe_kernels()["moe_backend"] == "triton_tc" and core.describe_kernels()["pdl"] is False
+
+
+GROUPED_TILES = ({}, {"tokens_per_chunk": 4}, {"two_per_mma": True}, {"tokens_per_chunk": 3, "pairs": 2},
+                 {"two_per_mma": True, "tokens_per_chunk": 2, "pairs": 2, "down_pairs": 1, "stages": 2,
+                  "blocks_per_sm": 2})
+"""Tiles of the grouped kernel that each test runs: none of them may change a row's bits."""
+
+
+def _random_routing(tokens: int, experts: int, hidden: int, seed: int, top_k: int = 4):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=g, device="cuda")[:top_k] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, top_k, generator=g, device="cuda"), -1).bfloat16()
+    return x, w, ids
+
+
+@pytest.mark.parametrize("repacked", [False, True])
+def test_grouped_bulk_rows_are_the_one_pair_kernels_bits(repacked):
+    """Row-exactness of the grouped decode kernel: at M = 1 ... 256 tokens, with random company (a random
+    subset of a pool, so a token's neighbours, their number and the tokens per expert all change), every
+    (token, expert) row is bitwise the one-pair kernel's for that token alone, for every tile setting."""
+    from replicas.kernels.moe.decode_layout import repack_
+    from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
+    from replicas.kernels.moe.hopper_grouped import cuda_moe_grouped
+
+    experts = Experts(torch.bfloat16, seed=71)
+    packed = [experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.gate_up_proj_bias,
+              experts.down_proj_blocks, experts.down_proj_scales, experts.down_proj_bias, 1.702, 7.0]
+    if repacked:
+        packed[0], packed[3] = repack_(packed[0].clone()), repack_(packed[3].clone())
+    x, w, ids = _random_routing(256, EXPERTS, HIDDEN, seed=12)
+    alone = torch.cat([cuda_moe_bulk(x[i:i + 1], w[i:i + 1], ids[i:i + 1], *packed, repacked=repacked)
+                       for i in range(256)])
+    assert alone.abs().max() > 1
+    g = torch.Generator(device="cuda").manual_seed(13)
+    for m in (1, 2, 3, 7, 16, 17, 64, 100, 256):
+        rows = torch.randperm(256, generator=g, device="cuda")[:m]
+        for tiles in GROUPED_TILES:
+            out = cuda_moe_grouped(x[rows], w[rows], ids[rows], *packed, repacked=repacked, **tiles)
+            assert torch.equal(out, alone[rows]), (m, tiles, (out - alone[rows]).abs().max().item())
+    # other warps per block: both kernels take them, and the rows stay equal
+    for warps, down_warps in ((8, 2), (2, 8)):
+        one = torch.cat([cuda_moe_bulk(x[i:i + 1], w[i:i + 1], ids[i:i + 1], *packed, repacked=repacked,
+                                       num_warps=warps, down_num_warps=down_warps) for i in range(40)])
+        out = cuda_moe_grouped(x[:40], w[:40], ids[:40], *packed, repacked=repacked, num_warps=warps,
+                               down_num_warps=down_warps)
+        assert torch.equal(out, one), (warps, down_warps)
+
+
+def _small_experts(e: int, hidden: int, inter: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ex = Experts.__new__(Experts)
+    ex.gate_up_proj_blocks = torch.randint(0, 256, (e, 2 * inter, hidden // 32, 16), generator=g, device="cuda",
+                                           dtype=torch.uint8)
+    ex.gate_up_proj_scales = torch.randint(118, 124, (e, 2 * inter, hidden // 32), generator=g, device="cuda",
+                                           dtype=torch.uint8)
+    ex.down_proj_blocks = torch.randint(0, 256, (e, hidden, inter // 32, 16), generator=g, device="cuda",
+                                        dtype=torch.uint8)
+    ex.down_proj_scales = torch.randint(118, 124, (e, hidden, inter // 32), generator=g, device="cuda",
+                                        dtype=torch.uint8)
+    ex.gate_up_proj_bias = (0.1 * torch.randn(e, 2 * inter, generator=g, device="cuda")).bfloat16()
+    ex.down_proj_bias = (0.1 * torch.randn(e, hidden, generator=g, device="cuda")).bfloat16()
+    ex.alpha, ex.limit = 1.702, 7.0
+    return ex
+
+
+def test_grouped_bulk_with_many_experts_small_widths_and_in_a_cuda_graph():
+    """200 experts (the per-block scan over the experts takes several passes), widths 96 and 64 (lanes
+    step past a row's end), fp32 routing weights; captured in a CUDA graph at 40 tokens and replayed on new
+    tokens and routing: every row bitwise the one-pair kernel's alone, against the fp32 reference too."""
+    from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
+    from replicas.kernels.moe.hopper_grouped import cuda_moe_grouped
+    from replicas.kernels.moe.reference import moe_reference
+
+    e, hidden, inter = 200, 96, 64
+    ex = _small_experts(e, hidden, inter, seed=14)
+    packed = (ex.gate_up_proj_blocks, ex.gate_up_proj_scales, ex.gate_up_proj_bias, ex.down_proj_blocks,
+              ex.down_proj_scales, ex.down_proj_bias, 1.702, 7.0)
+    x, w, ids = _random_routing(256, e, hidden, seed=15)
+    w = w.float()
+    out = cuda_moe_grouped(x, w, ids, *packed)
+    alone = torch.cat([cuda_moe_bulk(x[i:i + 1], w[i:i + 1], ids[i:i + 1], *packed) for i in range(256)])
+    assert torch.equal(out, alone)
+    ref = moe_reference(x.float(), w, ids, ex.as_fp32())
+    assert ((out.sum(1) - ref).abs().max() / ref.abs().max()).item() < 2e-2
+    xs, ws, idss = x[:40].clone(), w[:40].clone(), ids[:40].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cuda_moe_grouped(xs, ws, idss, *packed, two_per_mma=True)
+    for trial in range(3):
+        nx, nw, nids = _random_routing(40, e, hidden, seed=20 + trial)
+        xs.copy_(nx)
+        ws.copy_(nw.float())
+        idss.copy_(nids)
+        graph.replay()
+        one = torch.cat([cuda_moe_bulk(xs[i:i + 1], ws[i:i + 1], idss[i:i + 1], *packed) for i in range(40)])
+        assert torch.equal(captured, one), trial
+
+
+def test_moe_routes_decode_rows_to_the_grouped_kernel_and_row_exact_rows_to_one_family():
+    """:class:`MoE` with ``hopper_bulk``: decode steps above 16 tokens run the grouped kernel (not the
+    grouped GEMMs, which prompt tokens keep); the row-exact path gives every decode row the one-pair
+    kernel's bits at 1, 16, 17, 256 and 300 rows (slices of 256)."""
+    from replicas.kernels.moe import MoE, MoEChoice
+    from replicas.kernels.moe.grouped_gemm import experts_partials
+    from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
+    from replicas.kernels.moe.mma_format import mxfp4_activations
+
+    experts = Experts(torch.bfloat16, seed=72)
+    moe = MoE(MoEChoice("hopper_bulk", "grouped_gemm", False), pdl=False)
+    assert moe.row_exact_decode and moe.decode_max_tokens == 256
+    x, w, ids = _random_routing(300, EXPERTS, HIDDEN, seed=16)
+    packed = (experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.gate_up_proj_bias,
+              experts.down_proj_blocks, experts.down_proj_scales, experts.down_proj_bias, 1.702, 7.0)
+    alone = torch.cat([cuda_moe_bulk(x[i:i + 1], w[i:i + 1], ids[i:i + 1], *packed, pdl=False) for i in range(300)])
+    for m in (1, 16, 17, 256, 300):
+        parts = moe.row_exact_partials(x[:m], w[:m], ids[:m], experts, prefill=False,
+                                       x_mxfp4=mxfp4_activations(x[:m]))
+        assert torch.equal(parts, alone[:m]), m
+    assert torch.equal(moe.partials(x[:64], w[:64], ids[:64], experts), alone[:64])
+    assert torch.equal(moe.partials(x[:64], w[:64], ids[:64], experts, prefill=True),
+                       experts_partials(x[:64], w[:64], ids[:64], experts))

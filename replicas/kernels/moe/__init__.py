@@ -67,6 +67,11 @@ DECODE_MAX_TOKENS = 16
 """Most tokens per call of a decode backend: above it, dequantize-then-GEMM beats re-reading the packed
 experts per (token, expert) pair, and the standard lane's decode graphs stop there for GPT-OSS."""
 
+GROUPED_DECODE_MAX_TOKENS = 256
+"""Most tokens per call of a backend's grouped decode kernel (:attr:`.backends.MoEBackend.grouped_decode`:
+``hopper_bulk``'s :mod:`.hopper_grouped`, 1,024 (token, expert) pairs at top-4); a decode step of more
+rows runs it on slices of this many rows (rows are independent, so slicing changes no bits)."""
+
 TILE_KEYS = {name: cls.tile_keys for name, cls in MOE_REGISTRY.items()}
 """Tile arguments each built-in backend's kernels take (``moe_tiles`` may set them; the defaults are the
 kernels'): a snapshot of :attr:`.backends.MoEBackend.tile_keys`."""
@@ -164,6 +169,8 @@ class MoE:
     def __init__(self, choice: MoEChoice, pdl: bool = False):
         self.choice = choice
         self._decode = self.backend.load(dict(choice.tiles), repack=choice.repack, pdl=pdl)
+        self._grouped_decode = (self.backend.load_grouped(dict(choice.tiles), repack=choice.repack, pdl=pdl)
+                                if self.backend.grouped_decode else None)
         self._dequantize = self._grouped = self._grouped_partials = None
         if choice.prefill in ("prefill_dequantize", "grouped_gemm"):  # the dequantizing path stays the fallback
             from replicas.kernels.moe.prefill_dequantize import triton_dequantize_mxfp4
@@ -184,6 +191,20 @@ class MoE:
         """Whether every token count runs without a host sync (the prefill path is the grouped GEMMs), so
         the standard lane's decode graphs may capture batches above :data:`DECODE_MAX_TOKENS`."""
         return self.choice.prefill == "grouped_gemm"
+
+    @property
+    def decode_max_tokens(self) -> int:
+        """Most tokens of a decode step that the decode kernels serve (reading activations in the tensor-core
+        format when :attr:`takes_mxfp4_activations`): :data:`GROUPED_DECODE_MAX_TOKENS` with a grouped
+        decode kernel, else :data:`DECODE_MAX_TOKENS`."""
+        return GROUPED_DECODE_MAX_TOKENS if self._grouped_decode is not None else DECODE_MAX_TOKENS
+
+    @property
+    def row_exact_decode(self) -> bool:
+        """Whether decode rows at every count run the backend's own kernels (its one-pair kernel up to
+        :data:`DECODE_MAX_TOKENS` tokens, its grouped kernel above: one row-exact family), rather than the
+        grouped GEMMs at :data:`ROW_EXACT_BLOCK_M` ``["decode"]``."""
+        return self._grouped_decode is not None
 
     @property
     def takes_mxfp4_activations(self) -> bool:
@@ -212,27 +233,46 @@ class MoE:
         return True
 
     def partials(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
-                 x_mxfp4: torch.Tensor | None = None) -> torch.Tensor | None:
+                 x_mxfp4: torch.Tensor | None = None, prefill: bool = False) -> torch.Tensor | None:
         """Per routed expert, its weighted output ``[T, K, hidden]`` fp32 (``x`` ``[T, hidden]``, ``weights``
         and ``ids`` ``[T, K]`` on the device), or None where no partials kernel serves ``T`` tokens: up to
-        :data:`DECODE_MAX_TOKENS` the decode backend's (if it has one), above it the grouped GEMMs (if
-        they are the prefill path). ``x_mxfp4``: ``x`` in the tensor-core format, when
-        :attr:`takes_mxfp4_activations` and the caller has it (decode sizes only)."""
+        :data:`DECODE_MAX_TOKENS` the decode backend's (if it has one); above it, for decode rows (not
+        ``prefill``) up to :attr:`decode_max_tokens`, the backend's grouped decode kernel; else the grouped
+        GEMMs (if they are the prefill path). ``x_mxfp4``: ``x`` in the tensor-core format, when
+        :attr:`takes_mxfp4_activations` and the caller has it (decode kernels only)."""
+        extra = {"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}
         if x.shape[0] > DECODE_MAX_TOKENS:
+            if not prefill and x.shape[0] <= self.decode_max_tokens:
+                return self._grouped_decode(x, weights, ids, *_packed(experts), **extra)
             return self._grouped_partials(x, weights, ids, experts) if self._grouped_partials else None
         if not self.backend.returns_partials:
             return None
-        extra = {"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}
         return self._decode(x, weights, ids, *_packed(experts), **extra)
 
     def row_exact_partials(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
-                           prefill: bool) -> torch.Tensor:
-        """:meth:`partials` through the grouped GEMMs at every token count with the fixed M-block height of
-        :data:`ROW_EXACT_BLOCK_M` (``prefill``: prompt tokens, else decode rows): ``[T, K, hidden]`` fp32,
-        each pair's row bitwise independent of the other tokens.
+                           prefill: bool, x_mxfp4: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`partials` with each pair's row bitwise independent of the other tokens and of their number:
+        ``[T, K, hidden]`` fp32. Decode rows (not ``prefill``) with :attr:`row_exact_decode`: the backend's
+        one-pair kernel up to :data:`DECODE_MAX_TOKENS` tokens, its grouped kernel above (on slices of
+        :data:`GROUPED_DECODE_MAX_TOKENS` rows); otherwise the grouped GEMMs at every token count with the
+        fixed M-block height of :data:`ROW_EXACT_BLOCK_M` (``prefill``: prompt tokens, else decode rows).
 
         Raises:
-            RuntimeError: the grouped GEMMs are not this choice's prefill path."""
+            RuntimeError: neither a row-exact decode family nor the grouped GEMMs are available."""
+        if not prefill and self.row_exact_decode:
+            extra = {"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}
+            if x.shape[0] <= DECODE_MAX_TOKENS:
+                return self._decode(x, weights, ids, *_packed(experts), **extra)
+            if x.shape[0] <= GROUPED_DECODE_MAX_TOKENS:
+                return self._grouped_decode(x, weights, ids, *_packed(experts), **extra)
+            import torch
+
+            step = GROUPED_DECODE_MAX_TOKENS
+            return torch.cat([self._grouped_decode(x[i:i + step], weights[i:i + step], ids[i:i + step],
+                                                   *_packed(experts),
+                                                   **({"x_mxfp4": x_mxfp4[i:i + step]} if x_mxfp4 is not None
+                                                      else {}))
+                              for i in range(0, x.shape[0], step)])
         if self._grouped_partials is None:
             raise RuntimeError(f"row-exact MoE needs the grouped GEMMs (prefill path is {self.choice.prefill})")
         return self._grouped_partials(x, weights, ids, experts,

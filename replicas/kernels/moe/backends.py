@@ -45,6 +45,9 @@ class MoEBackend:
         adds_residual: the kernel takes the residual and returns ``residual + moe(x)`` in ``x.dtype``.
         repacks_experts: the experts are repacked into :mod:`.decode_layout` at load when ``moe_repack``
             holds (its kernel reads that layout).
+        grouped_decode: the backend has a second decode kernel for steps of more tokens than
+            ``DECODE_MAX_TOKENS`` (:meth:`load_grouped`) whose rows are bitwise its one-pair kernel's, so the
+            two are one row-exact family (``docs/exactness.md``).
     """
 
     name: ClassVar[str] = "abstract"
@@ -53,6 +56,7 @@ class MoEBackend:
     takes_mxfp4_activations: ClassVar[bool] = False
     adds_residual: ClassVar[bool] = False
     repacks_experts: ClassVar[bool] = False
+    grouped_decode: ClassVar[bool] = False
 
     @classmethod
     def why_not(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -67,6 +71,11 @@ class MoEBackend:
         without a decode kernel (the reference path). ``repack``: the experts are in
         :mod:`.decode_layout`; ``pdl``: launch with programmatic dependent launch where supported."""
         raise NotImplementedError
+
+    @classmethod
+    def load_grouped(cls, tiles: dict[str, int], *, repack: bool, pdl: bool) -> Callable | None:
+        """The grouped decode entry point (:attr:`grouped_decode`) with its tiles bound, or None."""
+        return None
 
 
 MOE_REGISTRY: Registry[type[MoEBackend]] = Registry("moe_backend", MoEBackend)
@@ -99,15 +108,23 @@ def _nvidia(device: torch.device) -> str | None:
     return why
 
 
+GROUPED_TILES = {"grouped_pairs": "pairs", "grouped_down_pairs": "down_pairs", "grouped_stages": "stages",
+                 "grouped_blocks_per_sm": "blocks_per_sm", "tokens_per_chunk": "tokens_per_chunk",
+                 "two_per_mma": "two_per_mma"}
+"""``hopper_bulk``'s tiles of its grouped decode kernel (``moe_tiles`` key → the argument of
+:func:`~.hopper_grouped.cuda_moe_grouped`); its warps are the one-pair kernel's."""
+
+
 @MOE_REGISTRY.register("hopper_bulk")
 class HopperBulk(MoEBackend):
     """CUDA C++ through torch's NVRTC, weights bulk-copied to shared memory (:mod:`.hopper_bulk`): NVIDIA
     sm_90+, bf16 models."""
 
-    tile_keys = ("num_warps", "down_num_warps", "pairs", "down_pairs", "stages", "blocks_per_sm")
+    tile_keys = ("num_warps", "down_num_warps", "pairs", "down_pairs", "stages", "blocks_per_sm", *GROUPED_TILES)
     returns_partials = True
     takes_mxfp4_activations = True
     repacks_experts = True
+    grouped_decode = True
 
     @classmethod
     def why_not(cls, device, dtype):
@@ -131,7 +148,18 @@ class HopperBulk(MoEBackend):
     def load(cls, tiles, *, repack, pdl):
         from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
 
-        return functools.partial(cuda_moe_bulk, repacked=repack, pdl=pdl, **tiles)
+        return functools.partial(cuda_moe_bulk, repacked=repack, pdl=pdl,
+                                 **{k: v for k, v in tiles.items() if k not in GROUPED_TILES})
+
+    @classmethod
+    def load_grouped(cls, tiles, *, repack, pdl):
+        """:func:`~.hopper_grouped.cuda_moe_grouped` with the one-pair kernel's warps (``num_warps``,
+        ``down_num_warps``: they fix the order of a row's sums) and the ``grouped_*`` tiles."""
+        from replicas.kernels.moe.hopper_grouped import cuda_moe_grouped
+
+        shared = {k: v for k, v in tiles.items() if k in ("num_warps", "down_num_warps")}
+        own = {GROUPED_TILES[k]: v for k, v in tiles.items() if k in GROUPED_TILES}
+        return functools.partial(cuda_moe_grouped, repacked=repack, pdl=pdl, **shared, **own)
 
 
 @MOE_REGISTRY.register("triton_tc")

@@ -46,15 +46,9 @@ def mma_asm(ref: str = "$", chains: int = 1, repacked: bool = False) -> str:
     lines += [f"mov.b32 {c}{i}, 0f00000000;" for c in acc for i in range(4)]
     if not repacked:
         lines += [f"mul.hi.u32 h{i}, {ref}{2 + i}, 0x1000000;" for i in range(8)]  # the words shifted right by 8
-    # pair p' of a (shifted) word: nibble mask, multiplier (magnitude shift, sign shift)
-    forms = [(0x000F000F, (1 << 6) + (1 << 12)), (0x00F000F0, (1 << 2) + (1 << 8))]
 
     def pair(dst, word, p):
-        if repacked:
-            return _repacked_pair(dst, f"{ref}{2 + word}", p)
-        mask, mult = forms[p % 2]
-        src = f"{ref}{2 + word}" if p < 2 else f"h{word}"
-        return [f"and.b32 m, {src}, {mask:#010x};", f"mul.lo.u32 t, m, {mult:#x};", f"and.b32 {dst}, t, 0x81C081C0;"]
+        return _code_pair(dst, f"{ref}{2 + word}", f"h{word}", p, repacked)
 
     for i in range(8):  # MMA i: word i // 2, pairs (0, 1) or (2, 3) as k-columns (2q, 2q+1) and (2q+8, 2q+9)
         w, p0 = i // 2, 2 * (i % 2)
@@ -68,6 +62,37 @@ def mma_asm(ref: str = "$", chains: int = 1, repacked: bool = False) -> str:
         lines += ["add.f32 c0, c0, d0;", "add.f32 c2, c2, d2;"]
     lines += [f"mov.b32 {ref}0, c0;", f"mov.b32 {ref}1, c2;", "}"]
     return "\n".join(lines)
+
+
+_CHECKPOINT_PAIR_FORMS = ((0x000F000F, (1 << 6) + (1 << 12)), (0x00F000F0, (1 << 2) + (1 << 8)))
+"""Code pair ``p' = p % 2`` of a checkpoint-layout word (pairs 2 and 3 of the word shifted right by 8): nibble
+mask, multiplier (magnitude shift plus sign shift)."""
+
+
+def _code_pair(dst: str, word: str, shifted: str, p: int, repacked: bool) -> list[str]:
+    """PTX decoding code pair ``p`` of ``word`` into the bf16x2 register ``dst``; ``shifted``: the register
+    holding ``word >> 8`` (read for pairs 2 and 3 of the checkpoint layout). Temporaries ``m``, ``t``."""
+    if repacked:
+        return _repacked_pair(dst, word, p)
+    mask, mult = _CHECKPOINT_PAIR_FORMS[p % 2]
+    src = word if p < 2 else shifted
+    return [f"and.b32 m, {src}, {mask:#010x};", f"mul.lo.u32 t, m, {mult:#x};", f"and.b32 {dst}, t, 0x81C081C0;"]
+
+
+def decode_asm(high: bool, repacked: bool = False) -> str:
+    """PTX (CUDA C++ operands) decoding one MMA's A operand: ``%4`` row a's packed word, ``%5`` row b's (the
+    same word of both rows); ``%0..%3`` the MMA's A registers, in :func:`mma_asm`'s order (row a's pair
+    ``p0``, row b's ``p0``, row a's ``p0 + 1``, row b's ``p0 + 1``) for ``p0`` 2 when ``high``, else 0.
+    The same instructions as :func:`mma_asm`'s decoding, without the MMAs, so that a kernel can decode a
+    step once and multiply it by several activation rows."""
+    p0 = 2 if high else 0
+    lines = ["{", ".reg .b32 m, t, ha, hb;"]
+    if high and not repacked:
+        lines += ["mul.hi.u32 ha, %4, 0x1000000;", "mul.hi.u32 hb, %5, 0x1000000;"]
+    for dst, word, shifted, p in (("%0", "%4", "ha", p0), ("%2", "%4", "ha", p0 + 1), ("%1", "%5", "hb", p0),
+                                  ("%3", "%5", "hb", p0 + 1)):
+        lines += _code_pair(dst, word, shifted, p, repacked)
+    return "\n".join(lines + ["}"])
 
 
 def _repacked_pair(dst: str, word: str, p: int) -> list[str]:
