@@ -1,0 +1,66 @@
+"""CPU checks of the grouped decode MoE kernel's host side (:mod:`replicas.kernels.moe.hopper_grouped`): its
+decoding PTX gives the one-pair kernel's MMA operands, its source and shared-memory layout agree, and bad
+operands are refused before any launch. The kernel itself runs only on an NVIDIA GPU; the bitwise equality
+with the one-pair kernel is ``tests/gpu/test_moe_kernels_gpu.py``'s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from replicas.kernels.moe import hopper_grouped as grouped  # noqa: E402
+from replicas.kernels.moe.mma_format import decode_asm, mma_asm  # noqa: E402
+from tests.replicas.kernels.moe.test_hopper_bulk import _operands, _repacked, _run_decode  # noqa: E402
+
+
+def _run_split_decode(high: bool, repacked: bool, word_a: int, word_b: int) -> dict[str, int]:
+    """:func:`decode_asm` interpreted (``%4``, ``%5`` in; ``%0..%3`` out) by the one-pair test's interpreter."""
+    asm = decode_asm(high, repacked)
+    for i, reg in enumerate(("a0", "a1", "a2", "a3")):
+        asm = asm.replace(f"%{i},", f"{reg},")
+    asm = asm.replace("%4", "$2").replace("%5", "$3") + "\nmma.sync"
+    return _run_decode(asm, [word_a, word_b])[0]
+
+
+@pytest.mark.parametrize("repacked", [False, True])
+def test_split_decoding_gives_the_one_pair_kernels_operands(repacked):
+    """Decoding a step once (:func:`decode_asm`, low and high pairs of each word) gives every one of the 8
+    MMAs the A registers that :func:`mma_asm`'s fused decode gives it, for every code and random words."""
+    g = torch.Generator().manual_seed(2)
+    fused = mma_asm(chains=2, repacked=repacked)
+    for trial in range(48):
+        words = [int(v) for v in torch.randint(0, 2 ** 32, (8,), generator=g, dtype=torch.int64)]
+        if trial < 16:
+            words = [int("".join([f"{trial:x}"] * 8), 16)] * 8
+        words = _repacked(words) if repacked else words
+        for i, regs in enumerate(_run_decode(fused, words)):
+            assert _run_split_decode(i % 2 == 1, repacked, words[i // 2], words[4 + i // 2]) == regs, (trial, i)
+
+
+def test_source_and_shared_layout_agree():
+    layout = grouped.shared_layout(90, 4, 2, 2, 8)
+    src = grouped.kernel_source(90, 4, 2, 2, 8, True, False, True, repacked=True)
+    assert all(f"#define {name} {value}\n" in src for name, value in layout.items())
+    assert "#define TWO 1" in src and "#define GATE_UP 0" in src and "#define NJ 8" in src
+    assert "$" not in src.split("#define DECODE_LO", 1)[1].split("typedef", 1)[0]  # CUDA operands are %N
+    # regions in order, none overlapping: the pair list, the stages (128-byte aligned), two chunks of sums
+    assert layout["SMEM_LIST"] + 2 * grouped.MAX_PAIRS <= layout["SMEM_STAGES"]
+    assert layout["SMEM_STAGES"] % 128 == 0 and layout["STAGE_BYTES"] % 128 == 0
+    assert layout["STAGE_BYTES"] >= 32 * 90 * 17
+    assert layout["SMEM_BYTES"] == layout["SMEM_R"] + 2 * 8 * 4 * 32 * 4
+    assert layout["SMEM_R"] == layout["SMEM_STAGES"] + 2 * layout["STAGE_BYTES"]
+
+
+@pytest.mark.parametrize("kwargs,operands,match", [
+    ({}, {"bias_dtype": torch.float32}, "biases must be bf16"),
+    ({"pairs": 3}, {}, "16 \\* pairs must divide"),
+    ({}, {"t": 257}, "at most 1024"),
+    ({}, {"experts": 257}, "of 257: at most"),
+    ({"two_per_mma": True, "tokens_per_chunk": 3}, {}, "even with two_per_mma"),
+    ({"tokens_per_chunk": 0}, {}, "tokens_per_chunk must be positive"),
+])
+def test_bad_operands_are_refused_before_any_launch(kwargs, operands, match):
+    with pytest.raises(ValueError, match=match):
+        grouped.cuda_moe_grouped(*_operands(**operands), **kwargs)
