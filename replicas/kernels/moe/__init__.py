@@ -78,9 +78,10 @@ kernels'): a snapshot of :attr:`.backends.MoEBackend.tile_keys`."""
 
 ROW_EXACT_BLOCK_M = {"decode": 16, "prefill": 64}
 """The grouped GEMMs' M-block height per row family when the engine runs row-exact kernels
-(``batch_invariant``): one height for every token count, so a pair's row never changes tile shape. Decode
-steps (up to 256 sequences) route about 2 to 8 pairs per expert (16 wastes least); prompts of 128 to 8,192
-tokens 4 to 256 (``docs/exactness.md``)."""
+(``batch_invariant``): one height for every token count, so a pair's row never changes tile shape. Prompts
+of 128 to 8,192 tokens route 4 to 256 pairs per expert; decode steps (up to 256 sequences) about 2 to 8 (16
+wastes least), on backends without a grouped decode kernel (``hopper_bulk`` has one: :attr:`MoE.row_exact_decode`;
+``docs/exactness.md``)."""
 
 
 @dataclass(frozen=True)
