@@ -374,8 +374,8 @@ def test_gpt_oss_load_resolves_and_records_its_kernels():
 
 
 GROUPED_TILES = ({}, {"tokens_per_chunk": 4}, {"two_per_mma": True}, {"tokens_per_chunk": 3, "pairs": 2},
-                 {"two_per_mma": True, "tokens_per_chunk": 2, "pairs": 2, "down_pairs": 1, "stages": 2,
-                  "blocks_per_sm": 2})
+                 {"two_per_mma": False}, {"two_per_mma": False, "tokens_per_chunk": 1},
+                 {"tokens_per_chunk": 2, "pairs": 2, "down_pairs": 1, "blocks_per_sm": 2})
 """Tiles of the grouped kernel that each test runs: none of them may change a row's bits."""
 
 
@@ -459,7 +459,7 @@ def test_grouped_bulk_with_many_experts_small_widths_and_in_a_cuda_graph():
     xs, ws, idss = x[:40].clone(), w[:40].clone(), ids[:40].clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = cuda_moe_grouped(xs, ws, idss, *packed, two_per_mma=True)
+        captured = cuda_moe_grouped(xs, ws, idss, *packed, tokens_per_chunk=4)
     for trial in range(3):
         nx, nw, nids = _random_routing(40, e, hidden, seed=20 + trial)
         xs.copy_(nx)

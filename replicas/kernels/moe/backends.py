@@ -108,7 +108,7 @@ def _nvidia(device: torch.device) -> str | None:
     return why
 
 
-GROUPED_TILES = {"grouped_pairs": "pairs", "grouped_down_pairs": "down_pairs", "grouped_stages": "stages",
+GROUPED_TILES = {"grouped_pairs": "pairs", "grouped_down_pairs": "down_pairs",
                  "grouped_blocks_per_sm": "blocks_per_sm", "tokens_per_chunk": "tokens_per_chunk",
                  "two_per_mma": "two_per_mma"}
 """``hopper_bulk``'s tiles of its grouped decode kernel (``moe_tiles`` key → the argument of

@@ -19,10 +19,12 @@ the two kernels one row-exact family for decode (``docs/exactness.md``); ``tests
 
 Every block finds the experts' tokens itself: it counts the pairs per expert in shared memory, scans the
 counts (one warp) into the list of experts with tokens and places each pair's index in its expert's
-segment. Tiles are numbered over the experts with tokens only, so a launch reads each routed expert once
-and no other; blocks are persistent (``blocks_per_sm``, :func:`~.hopper_bulk.grid_size` over the most tiles
-the launch can have) and keep ``stages`` tiles' copies in flight. Activations are read from global memory
-(they stay in L2: at most 1,024 rows per launch) by the lanes that supply the MMA's B operand.
+segment. Tiles are numbered over the experts with tokens only, expert by expert, so a launch reads each
+routed expert once and no other; each persistent block takes a contiguous range of them, so it meets one
+or two experts and copies each one's activation rows into shared memory once, with that expert's first
+tile (``tokens_per_chunk`` rows; an expert with more tokens has its further rows loaded by all threads
+when a chunk needs them). The lanes that supply the MMA's B operand read them from there, as the one-pair
+kernel reads its one row.
 
 Inputs, outputs and numerics: :func:`~replicas.kernels.moe.hopper_bulk.cuda_moe_bulk`'s. NVIDIA sm_90+ only.
 """
@@ -93,33 +95,21 @@ __device__ __forceinline__ void mma_step(float (&r)[4], const u32 (&d)[32], cons
   for (int i = 0; i < 4; ++i) r[i] = c[i] + e[i];
 }
 
-// This lane's 32 activations of block g of `row` (16 bf16 pairs) if it supplies the B operand, else zeros.
-__device__ __forceinline__ void load_x(u32 (&x)[16], const u8* row, int g, bool supply) {
+// This lane's 32 activations (16 bf16 pairs) from shared memory: block g of an x row, or the zero block.
+__device__ __forceinline__ void load_x(u32 (&x)[16], const u8* p) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) x[i] = 0u;
-  if (supply) {
-    const uint4* p = reinterpret_cast<const uint4*>(row + (i64)g * 64);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint4 v = __ldg(p + i);
-      x[4 * i] = v.x; x[4 * i + 1] = v.y; x[4 * i + 2] = v.z; x[4 * i + 3] = v.w;
-    }
+  for (int i = 0; i < 4; ++i) {
+    const U4 v = reinterpret_cast<const U4*>(p)[i];
+    x[4 * i] = v.x; x[4 * i + 1] = v.y; x[4 * i + 2] = v.z; x[4 * i + 3] = v.w;
   }
-}
-
-// Tile r0 of expert e (rows [r0, r0 + ROWS) of its packed matrix): scales, then the packed rows, into stage
-// `stage`, completing on that stage's barrier.
-__device__ __forceinline__ void issue_tile(u32 base, int stage, int e, int r0, const u8* blocks, const u8* scales,
-                                           i64 stride_be, i64 stride_se) {
-  const u32 bar = base + 8 * stage, dst = base + SMEM_STAGES + stage * STAGE_BYTES;
-  bar_expect(bar, ROWS * G * 17);
-  bulk_load(dst, scales + e * stride_se + (i64)r0 * G, ROWS * G, bar);
-  bulk_load(dst + SCALE_BYTES, blocks + e * stride_be + (i64)r0 * ROW_BYTES, ROWS * ROW_BYTES, bar);
 }
 
 #define X_ROW(pair) (xa + (i64)(GATE_UP ? (pair) / top_k : (pair)) * stride_x_bytes)
 
-// Persistent blocks over the tiles of the experts that have pairs: block b takes tiles b, b + gridDim.x, ...
+// Persistent blocks over the tiles of the experts that have pairs, numbered expert by expert: block b takes
+// the contiguous range [b n / grid, (b + 1) n / grid), so it meets few experts and stages each one's
+// activation rows in shared memory once (the first NJ of them, bulk-copied with the expert's first tile;
+// further chunks are loaded by all threads when needed).
 // GATE_UP: rows interleave gate (2j) and up (2j + 1); writes h[pair, mma_position(j)] = swiglu(...) * 2**64
 // (bf16). Else (down): writes out[pair, r] = w_pair * (y + bias). Every token's arithmetic is hopper_bulk's.
 extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
@@ -130,14 +120,17 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
   extern __shared__ __align__(128) u8 smem[];
   const int tid = threadIdx.x, lane = tid & 31, kw = tid >> 5, q = lane & 3, r8 = lane >> 2;
   const int tiles_per_expert = nrows_total / ROWS;
-  const u32 base = smem_u32(smem);
+  const u32 base = smem_u32(smem), bar = base;
   int* s_meta = reinterpret_cast<int*>(smem + SMEM_META);     // [0]: experts with pairs
   int* s_cnt = reinterpret_cast<int*>(smem + SMEM_CNT);       // [MAX_EXPERTS] pairs per expert
   int* s_end = reinterpret_cast<int*>(smem + SMEM_END);       // [MAX_EXPERTS] segment starts, then ends
   u16* s_act = reinterpret_cast<u16*>(smem + SMEM_ACT);       // [MAX_EXPERTS] the experts with pairs, ascending
   u16* s_list = reinterpret_cast<u16*>(smem + SMEM_LIST);     // [MAX_PAIRS] pair indices by expert segment
+  const u8* st = smem + SMEM_STAGE;                           // the tile: scales, then packed rows
+  u8* xbuf = smem + SMEM_X;                                   // [NJ][G * 64] activation rows of one chunk
   float* red = reinterpret_cast<float*>(smem + SMEM_R);       // [2][NJ][W][ROWS] per-warp row sums
-  if (tid == 0) bars_init(base, S);
+  if (tid == 0) bars_init(base, 1);
+  if (tid < 16) reinterpret_cast<u32*>(smem + SMEM_ZERO)[tid] = 0u;  // a block of zero activations
   for (int i = tid; i < n_experts; i += NT) s_cnt[i] = 0;
 #if GATE_UP
   pdl_wait();  // the expert ids come from the launch just before
@@ -168,31 +161,49 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
   for (int i = tid; i < n_pairs; i += NT) s_list[atomicAdd(&s_end[(int)ids[i]], 1)] = (u16)i;
   __syncthreads();
   const int n_tiles = s_meta[0] * tiles_per_expert;
-  if (tid == 0) {
-    for (int i = 0; i < S; ++i) {
-      const int t = blockIdx.x + i * gridDim.x;
-      if (t < n_tiles) issue_tile(base, i, s_act[t / tiles_per_expert], (t % tiles_per_expert) * ROWS, blocks, scales,
-                                  stride_be, stride_se);
-    }
-  }
+  const int t_lo = (int)((i64)blockIdx.x * n_tiles / gridDim.x), t_hi = (int)((i64)(blockIdx.x + 1) * n_tiles / gridDim.x);
+  // thread 0: the tile's scales and rows, and (first tile of an expert) its first NJ activation rows
+#define ISSUE_W(t, nx)                                                                                    \
+  do {                                                                                                    \
+    const int e_ = s_act[(t) / tiles_per_expert], r_ = ((t) % tiles_per_expert) * ROWS;                  \
+    bar_expect(bar, ROWS * G * 17 + (nx) * G * 64);                                                      \
+    bulk_load(base + SMEM_STAGE, scales + e_ * stride_se + (i64)r_ * G, ROWS * G, bar);                  \
+    bulk_load(base + SMEM_STAGE + SCALE_BYTES, blocks + e_ * stride_be + (i64)r_ * ROW_BYTES, ROWS * ROW_BYTES, bar); \
+  } while (0)
+#define ISSUE_X(t, nx)                                                                                    \
+  do {                                                                                                    \
+    const int e_ = s_act[(t) / tiles_per_expert], b_ = s_end[e_] - s_cnt[e_];                            \
+    for (int j_ = 0; j_ < (nx); ++j_) bulk_load(base + SMEM_X + j_ * G * 64, X_ROW(s_list[b_ + j_]), G * 64, bar); \
+  } while (0)
+#define FIRST_X(t) min(NJ, s_cnt[s_act[(t) / tiles_per_expert]])
+  if (tid == 0 && t_lo < t_hi) ISSUE_W(t_lo, FIRST_X(t_lo));
 #if !GATE_UP
   pdl_wait();  // h comes from the launch just before; ids and weights from two launches back
 #endif
+  if (tid == 0 && t_lo < t_hi) ISSUE_X(t_lo, FIRST_X(t_lo));
 #if TWO
   const bool supply0 = r8 == 2 * q, supply1 = r8 == 2 * q + 1;  // columns 2q and 2q + 1: two tokens per MMA
 #else
   const bool supply0 = r8 == 2 * q;  // this lane feeds the MMA's B operand (column 2q)
 #endif
-  int it = 0, chunk = 0;
-  for (int t = blockIdx.x; t < n_tiles; t += gridDim.x, ++it) {
-    const int stage = it % S;
+  const u8* zero = smem + SMEM_ZERO;
+  int xe = -1, xs = -1, chunk = 0;  // the x buffer holds rows [xs, xs + NJ) of expert xe's segment
+  for (int t = t_lo, it = 0; t < t_hi; ++t, ++it) {
     const int e = s_act[t / tiles_per_expert], r0 = (t % tiles_per_expert) * ROWS;
     const int end = s_end[e], begin = end - s_cnt[e];
-    const u8* st = smem + SMEM_STAGES + stage * STAGE_BYTES;
     const u16* bias_e = bias + (i64)e * stride_bias;
-    bar_wait(base + 8 * stage, (it / S) & 1);
+    bar_wait(bar, it & 1);
+    if (e != xe) { xe = e; xs = begin; }  // this tile's copy brought the expert's first rows
     for (int c0 = begin; c0 < end; c0 += NJ, ++chunk) {
       const int nj = min(NJ, end - c0);
+      if (xs != c0) {  // a further chunk of this expert's rows, or its first again: all threads load it
+        for (int u = tid; u < nj * G * 4; u += NT) {
+          const int j = u / (G * 4), piece = u % (G * 4);
+          reinterpret_cast<U4*>(xbuf + j * G * 64)[piece] = reinterpret_cast<const U4*>(X_ROW(s_list[c0 + j]))[piece];
+        }
+        __syncthreads();
+        xs = c0;
+      }
       float* red_c = red + (chunk & 1) * NJ * W * ROWS;
       float acc[NJ][2 * P];
 #pragma unroll
@@ -214,9 +225,8 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
           for (int j = 0; j < NJ; j += 2) {
             if (j < nj) {
               u32 x[16];
-              const bool one = j + 1 < nj;
-              load_x(x, X_ROW(s_list[c0 + (supply1 && one ? j + 1 : j)]), g,
-                     g < G && (supply0 || (supply1 && one)));
+              const int jj = supply1 ? j + 1 : j;
+              load_x(x, g < G && (supply0 || supply1) && jj < nj ? xbuf + jj * G * 64 + g * 64 : zero);
               float r[4];
               mma_step(r, d, x);
               acc[j][2 * p] += r[0] * sa;
@@ -232,7 +242,7 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
           for (int j = 0; j < NJ; ++j) {
             if (j < nj) {
               u32 x[16];
-              load_x(x, X_ROW(s_list[c0 + j]), g, g < G && supply0);
+              load_x(x, g < G && supply0 ? xbuf + j * G * 64 + g * 64 : zero);
               float r[4];
               mma_step(r, d, x);
               acc[j][2 * p] += r[0] * sa;
@@ -255,13 +265,15 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
           }
         }
       }
-      // every warp is done with this chunk (and, after the last chunk, with this stage); red is
+      // every warp is done with this chunk (after the last one, with the tile and the x rows); red is
       // double-buffered, so the next chunk's sums may be written while this one's are being read
       __syncthreads();
-      if (tid == 0 && c0 + NJ >= end) {
-        const int tn = t + S * gridDim.x;
-        if (tn < n_tiles) issue_tile(base, stage, s_act[tn / tiles_per_expert], (tn % tiles_per_expert) * ROWS,
-                                     blocks, scales, stride_be, stride_se);
+      if (tid == 0 && c0 + NJ >= end && t + 1 < t_hi) {
+        const bool new_expert = s_act[(t + 1) / tiles_per_expert] != e;
+        const int nx = new_expert ? FIRST_X(t + 1) : 0;
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // after generic writes to the x rows
+        ISSUE_W(t + 1, nx);
+        if (new_expert) ISSUE_X(t + 1, nx);
       }
 #if GATE_UP
       for (int u = tid; u < nj * (ROWS / 2); u += NT) {
@@ -296,39 +308,39 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
 """
 
 
-def shared_layout(g: int, warps: int, pairs: int, stages: int, tokens_per_chunk: int) -> dict[str, int]:
-    """Byte offsets of one block's dynamic shared memory (its ``#define`` values), in order: the stages'
-    barriers from 0, the number of experts with pairs (``SMEM_META``), the per-expert counts (``SMEM_CNT``),
-    segment ends (``SMEM_END``) and the experts with pairs (``SMEM_ACT``), the pair list (``SMEM_LIST``),
-    ``stages`` tiles of ``16 * pairs`` rows of ``g`` blocks (``SMEM_STAGES``, ``STAGE_BYTES`` each: scales,
-    128-byte aligned, then the packed rows at ``SCALE_BYTES``), the per-warp row sums of two chunks of
-    ``tokens_per_chunk`` tokens (``SMEM_R``); ``SMEM_BYTES`` in all."""
+def shared_layout(g: int, warps: int, pairs: int, tokens_per_chunk: int) -> dict[str, int]:
+    """Byte offsets of one block's dynamic shared memory (its ``#define`` values), in order: the tile's
+    barrier at 0, the number of experts with pairs (``SMEM_META``), the per-expert counts (``SMEM_CNT``),
+    segment ends (``SMEM_END``) and the experts with pairs (``SMEM_ACT``), the pair list (``SMEM_LIST``), one
+    tile of ``16 * pairs`` rows of ``g`` blocks (``SMEM_STAGE``: scales, 128-byte aligned, then the packed
+    rows at ``SCALE_BYTES``), ``tokens_per_chunk`` activation rows (``SMEM_X``), the per-warp row sums of two
+    chunks (``SMEM_R``), one block of zero activations (``SMEM_ZERO``); ``SMEM_BYTES`` in all."""
     rows = 16 * pairs
     row_bytes = g * 16
     scale_bytes = -(-rows * g // 128) * 128
-    stage_bytes = -(-(scale_bytes + rows * row_bytes) // 128) * 128
     smem_cnt = 144
     smem_end = smem_cnt + 4 * MAX_EXPERTS
     smem_act = smem_end + 4 * MAX_EXPERTS
     smem_list = smem_act + 2 * MAX_EXPERTS
-    smem_stages = -(-(smem_list + 2 * MAX_PAIRS) // 128) * 128
-    smem_r = smem_stages + stages * stage_bytes
-    return {"ROW_BYTES": row_bytes, "SCALE_BYTES": scale_bytes, "STAGE_BYTES": stage_bytes, "SMEM_META": 128,
-            "SMEM_CNT": smem_cnt, "SMEM_END": smem_end, "SMEM_ACT": smem_act, "SMEM_LIST": smem_list,
-            "SMEM_STAGES": smem_stages, "SMEM_R": smem_r,
-            "SMEM_BYTES": smem_r + 2 * tokens_per_chunk * warps * rows * 4}
+    smem_stage = -(-(smem_list + 2 * MAX_PAIRS) // 128) * 128
+    smem_x = -(-(smem_stage + scale_bytes + rows * row_bytes) // 128) * 128
+    smem_r = smem_x + tokens_per_chunk * g * 64
+    smem_zero = smem_r + 2 * tokens_per_chunk * warps * rows * 4
+    return {"ROW_BYTES": row_bytes, "SCALE_BYTES": scale_bytes, "SMEM_META": 128, "SMEM_CNT": smem_cnt,
+            "SMEM_END": smem_end, "SMEM_ACT": smem_act, "SMEM_LIST": smem_list, "SMEM_STAGE": smem_stage,
+            "SMEM_X": smem_x, "SMEM_R": smem_r, "SMEM_ZERO": smem_zero, "SMEM_BYTES": smem_zero + 64}
 
 
-def kernel_source(g: int, warps: int, pairs: int, stages: int, tokens_per_chunk: int, two: bool, gate_up: bool,
+def kernel_source(g: int, warps: int, pairs: int, tokens_per_chunk: int, two: bool, gate_up: bool,
                   route_f32: bool, repacked: bool = False) -> str:
     """The CUDA C++ of one launch: ``g`` blocks of 32 values per row, ``warps`` per block, ``16 * pairs``
-    rows per tile, ``stages`` tiles in flight per block, ``tokens_per_chunk`` tokens per pass over a tile
+    rows per tile, ``tokens_per_chunk`` tokens per pass over a tile
     (``two``: two tokens per MMA, in its columns ``2q`` and ``2q + 1``), the gate_up or the down launch, fp32
     (else bf16) routing weights, packed words in the checkpoint's or the decode layout (``repacked``)."""
-    defines = {"G": g, "W": warps, "P": pairs, "S": stages, "NJ": tokens_per_chunk, "TWO": int(two),
+    defines = {"G": g, "W": warps, "P": pairs, "NJ": tokens_per_chunk, "TWO": int(two),
                "GATE_UP": int(gate_up), "ROUTE_F32": int(route_f32), "KERNEL_NAME": _name(gate_up),
                "X_SHIFT": X_SHIFT.value, "X_SCALE": f"{float(2 ** X_SHIFT.value)!r}f"}
-    defines |= shared_layout(g, warps, pairs, stages, tokens_per_chunk)
+    defines |= shared_layout(g, warps, pairs, tokens_per_chunk)
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     for name, high in (("DECODE_LO", False), ("DECODE_HI", True)):
         head += f"#define {name} " + _c_string(decode_asm(high, repacked)).replace("\n", " \\\n") + "\n"
@@ -341,10 +353,10 @@ def _name(gate_up: bool) -> str:
 
 
 @functools.cache
-def _kernel(g: int, warps: int, pairs: int, stages: int, tokens_per_chunk: int, two: bool, gate_up: bool,
-            route_f32: bool, repacked: bool) -> CudaKernel:
-    return CudaKernel(kernel_source(g, warps, pairs, stages, tokens_per_chunk, two, gate_up, route_f32, repacked),
-                      _name(gate_up), shared_layout(g, warps, pairs, stages, tokens_per_chunk)["SMEM_BYTES"])
+def _kernel(g: int, warps: int, pairs: int, tokens_per_chunk: int, two: bool, gate_up: bool, route_f32: bool,
+            repacked: bool) -> CudaKernel:
+    return CudaKernel(kernel_source(g, warps, pairs, tokens_per_chunk, two, gate_up, route_f32, repacked),
+                      _name(gate_up), shared_layout(g, warps, pairs, tokens_per_chunk)["SMEM_BYTES"])
 
 
 def cuda_moe_grouped(
@@ -352,8 +364,8 @@ def cuda_moe_grouped(
     gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, x_mxfp4: torch.Tensor | None = None, num_warps: int = 4,
-    down_num_warps: int = 4, pairs: int = 1, down_pairs: int | None = None, stages: int = 1, blocks_per_sm: int = 8,
-    tokens_per_chunk: int = 8, two_per_mma: bool = False, repacked: bool = False, pdl: bool = True,
+    down_num_warps: int = 4, pairs: int = 1, down_pairs: int | None = None, blocks_per_sm: int = 8,
+    tokens_per_chunk: int = 8, two_per_mma: bool = True, repacked: bool = False, pdl: bool = True,
 ) -> torch.Tensor:
     """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches), each (token, expert)
     pair's row bitwise equal to :func:`~replicas.kernels.moe.hopper_bulk.cuda_moe_bulk`'s for the same
@@ -361,12 +373,15 @@ def cuda_moe_grouped(
 
     Args:
         x, weights, ids, the packed experts, alpha, limit, x_mxfp4, num_warps, down_num_warps, pairs,
-            down_pairs, stages, blocks_per_sm, repacked, pdl: as
+            down_pairs, blocks_per_sm, repacked, pdl: as
             :func:`~replicas.kernels.moe.hopper_bulk.cuda_moe_bulk` (``pairs``: 16-row pairs per tile).
         tokens_per_chunk: tokens of one expert multiplied per pass over its tile (a block makes
             ``ceil(tokens / tokens_per_chunk)`` passes); changes speed, never bits.
         two_per_mma: put two tokens in one MMA (columns ``2q`` and ``2q + 1``; the other columns' values
             do not enter a column's sums); changes speed, never bits.
+
+    Each block takes a contiguous range of the tiles (numbered expert by expert), so ``blocks_per_sm`` and
+    the grid follow :func:`~.hopper_bulk.grid_size` over the most tiles the launch can have.
 
     Returns:
         ``[T, K, hidden]`` fp32; ``x + out.sum(1)`` (in order) is the MoE layer with its residual.
@@ -397,10 +412,10 @@ def cuda_moe_grouped(
     layouts = {}
     for gate_up, g, w, p in ((True, hidden // BLOCK_SIZE, num_warps, pairs),
                              (False, inter // BLOCK_SIZE, down_num_warps, down_pairs)):
-        layouts[gate_up] = shared_layout(g, w, p, stages, tokens_per_chunk)["SMEM_BYTES"]
+        layouts[gate_up] = shared_layout(g, w, p, tokens_per_chunk)["SMEM_BYTES"]
         if layouts[gate_up] > limit_bytes:
-            raise ValueError(f"{stages} stages of {16 * p} rows x {g} blocks need {layouts[gate_up]} bytes of "
-                             f"shared memory; a block may have {limit_bytes}")
+            raise ValueError(f"a tile of {16 * p} rows x {g} blocks and {tokens_per_chunk} activation rows need "
+                             f"{layouts[gate_up]} bytes of shared memory; a block may have {limit_bytes}")
     if x_mxfp4 is None:
         x_mxfp4 = mxfp4_activations(x)
     if ids.dtype != torch.int64:
@@ -414,7 +429,7 @@ def cuda_moe_grouped(
     i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
     h = torch.empty(n_pairs, inter, dtype=torch.bfloat16, device=x.device)
     tiles = most_experts * 2 * inter // (16 * pairs)
-    _kernel(hidden // BLOCK_SIZE, num_warps, pairs, stages, tokens_per_chunk, two_per_mma, True, False, repacked)(
+    _kernel(hidden // BLOCK_SIZE, num_warps, pairs, tokens_per_chunk, two_per_mma, True, False, repacked)(
         (grid_size(tiles, sms, blocks_per_sm, layouts[True], smem_per_sm, 32 * num_warps), 1, 1), 32 * num_warps,
         [x_mxfp4, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, h,
          i64(gate_up_blocks.stride(0)), i64(gate_up_scales.stride(0)), i64(gate_up_bias.stride(0)),
@@ -423,7 +438,7 @@ def cuda_moe_grouped(
         pdl=launch_pdl)
     out = torch.empty(t, k, hidden, dtype=torch.float32, device=x.device)
     tiles = most_experts * hidden // (16 * down_pairs)
-    _kernel(inter // BLOCK_SIZE, down_num_warps, down_pairs, stages, tokens_per_chunk, two_per_mma, False,
+    _kernel(inter // BLOCK_SIZE, down_num_warps, down_pairs, tokens_per_chunk, two_per_mma, False,
             weights.dtype == torch.float32, repacked)(
         (grid_size(tiles, sms, blocks_per_sm, layouts[False], smem_per_sm, 32 * down_num_warps), 1, 1),
         32 * down_num_warps,

@@ -40,17 +40,18 @@ def test_split_decoding_gives_the_one_pair_kernels_operands(repacked):
 
 
 def test_source_and_shared_layout_agree():
-    layout = grouped.shared_layout(90, 4, 2, 2, 8)
-    src = grouped.kernel_source(90, 4, 2, 2, 8, True, False, True, repacked=True)
+    layout = grouped.shared_layout(90, 4, 2, 8)
+    src = grouped.kernel_source(90, 4, 2, 8, True, False, True, repacked=True)
     assert all(f"#define {name} {value}\n" in src for name, value in layout.items())
     assert "#define TWO 1" in src and "#define GATE_UP 0" in src and "#define NJ 8" in src
     assert "$" not in src.split("#define DECODE_LO", 1)[1].split("typedef", 1)[0]  # CUDA operands are %N
-    # regions in order, none overlapping: the pair list, the stages (128-byte aligned), two chunks of sums
-    assert layout["SMEM_LIST"] + 2 * grouped.MAX_PAIRS <= layout["SMEM_STAGES"]
-    assert layout["SMEM_STAGES"] % 128 == 0 and layout["STAGE_BYTES"] % 128 == 0
-    assert layout["STAGE_BYTES"] >= 32 * 90 * 17
-    assert layout["SMEM_BYTES"] == layout["SMEM_R"] + 2 * 8 * 4 * 32 * 4
-    assert layout["SMEM_R"] == layout["SMEM_STAGES"] + 2 * layout["STAGE_BYTES"]
+    # regions in order, none overlapping: the pair list, the tile (128-byte aligned), the activation rows,
+    # two chunks of sums, the zero block
+    assert layout["SMEM_LIST"] + 2 * grouped.MAX_PAIRS <= layout["SMEM_STAGE"]
+    assert layout["SMEM_STAGE"] % 128 == 0 and layout["SMEM_X"] % 128 == 0
+    assert layout["SMEM_X"] - layout["SMEM_STAGE"] >= 32 * 90 * 17
+    assert layout["SMEM_R"] == layout["SMEM_X"] + 8 * 90 * 64
+    assert layout["SMEM_ZERO"] == layout["SMEM_R"] + 2 * 8 * 4 * 32 * 4 == layout["SMEM_BYTES"] - 64
 
 
 @pytest.mark.parametrize("kwargs,operands,match", [
@@ -58,7 +59,7 @@ def test_source_and_shared_layout_agree():
     ({"pairs": 3}, {}, "16 \\* pairs must divide"),
     ({}, {"t": 257}, "at most 1024"),
     ({}, {"experts": 257}, "of 257: at most"),
-    ({"two_per_mma": True, "tokens_per_chunk": 3}, {}, "even with two_per_mma"),
+    ({"tokens_per_chunk": 3}, {}, "even with two_per_mma"),
     ({"tokens_per_chunk": 0}, {}, "tokens_per_chunk must be positive"),
 ])
 def test_bad_operands_are_refused_before_any_launch(kwargs, operands, match):
