@@ -373,7 +373,8 @@ def test_gpt_oss_load_resolves_and_records_its_kernels():
     assert core.describe_kernels()["moe_backend"] == "triton_tc" and core.describe_kernels()["pdl"] is False
 
 
-GROUPED_TILES = ({}, {"tokens_per_chunk": 4}, {"two_per_mma": True}, {"tokens_per_chunk": 3, "pairs": 2},
+GROUPED_TILES = ({}, {"tokens_per_chunk": 4}, {"down_pairs": 1, "tokens_per_chunk": 2},
+                 {"tokens_per_chunk": 3, "pairs": 2, "two_per_mma": False},
                  {"two_per_mma": False}, {"two_per_mma": False, "tokens_per_chunk": 1},
                  {"tokens_per_chunk": 2, "pairs": 2, "down_pairs": 1, "blocks_per_sm": 2})
 """Tiles of the grouped kernel that each test runs: none of them may change a row's bits."""

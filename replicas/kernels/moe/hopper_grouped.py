@@ -21,10 +21,9 @@ Every block finds the experts' tokens itself: it counts the pairs per expert in 
 counts (one warp) into the list of experts with tokens and places each pair's index in its expert's
 segment. Tiles are numbered over the experts with tokens only, expert by expert, so a launch reads each
 routed expert once and no other; each persistent block takes a contiguous range of them, so it meets one
-or two experts and copies each one's activation rows into shared memory once, with that expert's first
-tile (``tokens_per_chunk`` rows; an expert with more tokens has its further rows loaded by all threads
-when a chunk needs them). The lanes that supply the MMA's B operand read them from there, as the one-pair
-kernel reads its one row.
+or two experts and copies each one's first ``tokens_per_chunk`` activation rows into shared memory once,
+with that expert's first tile; the lanes that supply the MMA's B operand read them from there, as the
+one-pair kernel reads its one row, and read a busy expert's further rows from global memory (L2).
 
 Inputs, outputs and numerics: :func:`~replicas.kernels.moe.hopper_bulk.cuda_moe_bulk`'s. NVIDIA sm_90+ only.
 """
@@ -104,12 +103,17 @@ __device__ __forceinline__ void load_x(u32 (&x)[16], const u8* p) {
   }
 }
 
+// Block g of chunk row j: from the staged rows in shared memory, or from its row in global memory.
+__device__ __forceinline__ const u8* x_block(bool staged, const u8* xbuf, int j, const u8* row, int g) {
+  return (staged ? xbuf + j * G * 64 : row) + g * 64;
+}
+
 #define X_ROW(pair) (xa + (i64)(GATE_UP ? (pair) / top_k : (pair)) * stride_x_bytes)
 
 // Persistent blocks over the tiles of the experts that have pairs, numbered expert by expert: block b takes
 // the contiguous range [b n / grid, (b + 1) n / grid), so it meets few experts and stages each one's
 // activation rows in shared memory once (the first NJ of them, bulk-copied with the expert's first tile;
-// further chunks are loaded by all threads when needed).
+// further chunks are read from global memory).
 // GATE_UP: rows interleave gate (2j) and up (2j + 1); writes h[pair, mma_position(j)] = swiglu(...) * 2**64
 // (bf16). Else (down): writes out[pair, r] = w_pair * (y + bias). Every token's arithmetic is hopper_bulk's.
 extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
@@ -187,23 +191,17 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
   const bool supply0 = r8 == 2 * q;  // this lane feeds the MMA's B operand (column 2q)
 #endif
   const u8* zero = smem + SMEM_ZERO;
-  int xe = -1, xs = -1, chunk = 0;  // the x buffer holds rows [xs, xs + NJ) of expert xe's segment
+  int chunk = 0;
   for (int t = t_lo, it = 0; t < t_hi; ++t, ++it) {
     const int e = s_act[t / tiles_per_expert], r0 = (t % tiles_per_expert) * ROWS;
     const int end = s_end[e], begin = end - s_cnt[e];
     const u16* bias_e = bias + (i64)e * stride_bias;
-    bar_wait(bar, it & 1);
-    if (e != xe) { xe = e; xs = begin; }  // this tile's copy brought the expert's first rows
+    bar_wait(bar, it & 1);  // the tile, and with an expert's first tile in this block its first rows
     for (int c0 = begin; c0 < end; c0 += NJ, ++chunk) {
       const int nj = min(NJ, end - c0);
-      if (xs != c0) {  // a further chunk of this expert's rows, or its first again: all threads load it
-        for (int u = tid; u < nj * G * 4; u += NT) {
-          const int j = u / (G * 4), piece = u % (G * 4);
-          reinterpret_cast<U4*>(xbuf + j * G * 64)[piece] = reinterpret_cast<const U4*>(X_ROW(s_list[c0 + j]))[piece];
-        }
-        __syncthreads();
-        xs = c0;
-      }
+      // the expert's first chunk of rows is in shared memory; a further chunk is read from global memory
+      // (L2) by the lanes that supply it, as the rows of a busy expert would not fit
+      const bool staged = c0 == begin;
       float* red_c = red + (chunk & 1) * NJ * W * ROWS;
       float acc[NJ][2 * P];
 #pragma unroll
@@ -226,7 +224,8 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
             if (j < nj) {
               u32 x[16];
               const int jj = supply1 ? j + 1 : j;
-              load_x(x, g < G && (supply0 || supply1) && jj < nj ? xbuf + jj * G * 64 + g * 64 : zero);
+              load_x(x, g < G && (supply0 || supply1) && jj < nj ? x_block(staged, xbuf, jj, X_ROW(s_list[c0 + jj]), g)
+                                                                : zero);
               float r[4];
               mma_step(r, d, x);
               acc[j][2 * p] += r[0] * sa;
@@ -242,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
           for (int j = 0; j < NJ; ++j) {
             if (j < nj) {
               u32 x[16];
-              load_x(x, g < G && supply0 ? xbuf + j * G * 64 + g * 64 : zero);
+              load_x(x, g < G && supply0 ? x_block(staged, xbuf, j, X_ROW(s_list[c0 + j]), g) : zero);
               float r[4];
               mma_step(r, d, x);
               acc[j][2 * p] += r[0] * sa;
@@ -271,7 +270,6 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
       if (tid == 0 && c0 + NJ >= end && t + 1 < t_hi) {
         const bool new_expert = s_act[(t + 1) / tiles_per_expert] != e;
         const int nx = new_expert ? FIRST_X(t + 1) : 0;
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // after generic writes to the x rows
         ISSUE_W(t + 1, nx);
         if (new_expert) ISSUE_X(t + 1, nx);
       }
