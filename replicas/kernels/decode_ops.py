@@ -394,6 +394,13 @@ class DecodeOps:
             return self.add_rmsnorm(residual, parts, norm, weight_in_fp32)
         return self.add_rmsnorm(self.moe(x, weights, ids, experts, residual=residual), None, norm, weight_in_fp32)
 
+    def mxfp4_for(self, tokens: int) -> bool:
+        """Whether a decode step of ``tokens`` rows runs MoE kernels that read the tensor-core activation
+        format (the add + RMSNorm before them then writes it): :attr:`takes_mxfp4_activations`, and the
+        decode kernels serve that many rows (always with :attr:`batch_invariant` and a row-exact decode
+        family; else up to :attr:`~replicas.kernels.moe.MoE.decode_max_tokens`)."""
+        return self.takes_mxfp4_activations and (self.batch_invariant or tokens <= self.moe.decode_max_tokens)
+
     @property
     def takes_mxfp4_activations(self) -> bool:
         """Whether the MoE kernel reads its activations in the tensor-core format (the add+RMSNorm launch

@@ -396,7 +396,7 @@ class GptOssForCausalLM(CausalLM):
         x = self.model.embed_tokens(token)  # [B, hidden]
         _, h = ops.add_rmsnorm(x, None, layers[0].input_layernorm, True)
         # the post-attention norm also writes the MoE kernels' activation format when they read it
-        mx = ops.takes_mxfp4_activations and x.shape[0] <= ops.moe.decode_max_tokens
+        mx = ops.mxfp4_for(x.shape[0])
         for i, (layer, (kp, vp)) in enumerate(zip(layers, kv_planes, strict=True)):
             attn = layer.self_attn
             q = ops.rope_kv_write(attn, h, self.rope_cos, self.rope_sin, position, block_table, kp, vp,

@@ -472,17 +472,17 @@ def test_grouped_bulk_with_many_experts_small_widths_and_in_a_cuda_graph():
 
 
 def test_moe_routes_decode_rows_to_the_grouped_kernel_and_row_exact_rows_to_one_family():
-    """:class:`MoE` with ``hopper_bulk``: decode steps above 16 tokens run the grouped kernel (not the
-    grouped GEMMs, which prompt tokens keep); the row-exact path gives every decode row the one-pair
-    kernel's bits at 1, 16, 17, 256 and 300 rows (slices of 256)."""
-    from replicas.kernels.moe import MoE, MoEChoice
+    """:class:`MoE` with ``hopper_bulk``: decode steps of 17 to ``GROUPED_DECODE_UP_TO`` tokens run the
+    grouped kernel (prompt tokens and larger steps the grouped GEMMs); the row-exact path gives every decode
+    row the one-pair kernel's bits at 1, 16, 17, 256 and 300 rows (slices of 256)."""
+    from replicas.kernels.moe import GROUPED_DECODE_UP_TO, MoE, MoEChoice
     from replicas.kernels.moe.grouped_gemm import experts_partials
     from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
     from replicas.kernels.moe.mma_format import mxfp4_activations
 
     experts = Experts(torch.bfloat16, seed=72)
     moe = MoE(MoEChoice("hopper_bulk", "grouped_gemm", False), pdl=False)
-    assert moe.row_exact_decode and moe.decode_max_tokens == 256
+    assert moe.row_exact_decode and moe.decode_max_tokens == GROUPED_DECODE_UP_TO
     x, w, ids = _random_routing(300, EXPERTS, HIDDEN, seed=16)
     packed = (experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.gate_up_proj_bias,
               experts.down_proj_blocks, experts.down_proj_scales, experts.down_proj_bias, 1.702, 7.0)
@@ -491,6 +491,9 @@ def test_moe_routes_decode_rows_to_the_grouped_kernel_and_row_exact_rows_to_one_
         parts = moe.row_exact_partials(x[:m], w[:m], ids[:m], experts, prefill=False,
                                        x_mxfp4=mxfp4_activations(x[:m]))
         assert torch.equal(parts, alone[:m]), m
-    assert torch.equal(moe.partials(x[:64], w[:64], ids[:64], experts), alone[:64])
-    assert torch.equal(moe.partials(x[:64], w[:64], ids[:64], experts, prefill=True),
-                       experts_partials(x[:64], w[:64], ids[:64], experts))
+    m = GROUPED_DECODE_UP_TO
+    assert torch.equal(moe.partials(x[:m], w[:m], ids[:m], experts), alone[:m])
+    for prefill in (True, False):  # prompt tokens, and decode steps above the grouped kernel's range
+        n = m if prefill else m + 1
+        assert torch.equal(moe.partials(x[:n], w[:n], ids[:n], experts, prefill=prefill),
+                           experts_partials(x[:n], w[:n], ids[:n], experts))

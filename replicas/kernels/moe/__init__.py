@@ -69,8 +69,12 @@ experts per (token, expert) pair, and the standard lane's decode graphs stop the
 
 GROUPED_DECODE_MAX_TOKENS = 256
 """Most tokens per call of a backend's grouped decode kernel (:attr:`.backends.MoEBackend.grouped_decode`:
-``hopper_bulk``'s :mod:`.hopper_grouped`, 1,024 (token, expert) pairs at top-4); a decode step of more
-rows runs it on slices of this many rows (rows are independent, so slicing changes no bits)."""
+``hopper_bulk``'s :mod:`.hopper_grouped`, 1,024 (token, expert) pairs at top-4); a row-exact decode step
+of more rows runs it on slices of this many rows (rows are independent, so slicing changes no bits)."""
+
+GROUPED_DECODE_UP_TO = 64
+"""Decode steps of more tokens than this take the grouped GEMMs when rows need not be exact (faster there:
+each expert's tokens are several, and the GEMMs use them as one tile; ``decode_moe`` study)."""
 
 TILE_KEYS = {name: cls.tile_keys for name, cls in MOE_REGISTRY.items()}
 """Tile arguments each built-in backend's kernels take (``moe_tiles`` may set them; the defaults are the
@@ -195,10 +199,11 @@ class MoE:
 
     @property
     def decode_max_tokens(self) -> int:
-        """Most tokens of a decode step that the decode kernels serve (reading activations in the tensor-core
-        format when :attr:`takes_mxfp4_activations`): :data:`GROUPED_DECODE_MAX_TOKENS` with a grouped
-        decode kernel, else :data:`DECODE_MAX_TOKENS`."""
-        return GROUPED_DECODE_MAX_TOKENS if self._grouped_decode is not None else DECODE_MAX_TOKENS
+        """Most tokens of a decode step that :meth:`partials` gives the decode kernels (which read activations
+        in the tensor-core format when :attr:`takes_mxfp4_activations`): :data:`GROUPED_DECODE_UP_TO` with a
+        grouped decode kernel, else :data:`DECODE_MAX_TOKENS`. :meth:`row_exact_partials` gives them every
+        decode step when :attr:`row_exact_decode`."""
+        return GROUPED_DECODE_UP_TO if self._grouped_decode is not None else DECODE_MAX_TOKENS
 
     @property
     def row_exact_decode(self) -> bool:
