@@ -362,8 +362,8 @@ def cuda_moe_grouped(
     gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, x_mxfp4: torch.Tensor | None = None, num_warps: int = 4,
-    down_num_warps: int = 4, pairs: int = 1, down_pairs: int | None = None, blocks_per_sm: int = 8,
-    tokens_per_chunk: int = 8, two_per_mma: bool = True, repacked: bool = False, pdl: bool = True,
+    down_num_warps: int = 4, pairs: int = 1, down_pairs: int = 1, blocks_per_sm: int = 8,
+    tokens_per_chunk: int = 4, two_per_mma: bool = True, repacked: bool = False, pdl: bool = True,
 ) -> torch.Tensor:
     """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches), each (token, expert)
     pair's row bitwise equal to :func:`~replicas.kernels.moe.hopper_bulk.cuda_moe_bulk`'s for the same
@@ -374,7 +374,10 @@ def cuda_moe_grouped(
             down_pairs, blocks_per_sm, repacked, pdl: as
             :func:`~replicas.kernels.moe.hopper_bulk.cuda_moe_bulk` (``pairs``: 16-row pairs per tile).
         tokens_per_chunk: tokens of one expert multiplied per pass over its tile (a block makes
-            ``ceil(tokens / tokens_per_chunk)`` passes); changes speed, never bits.
+            ``ceil(tokens / tokens_per_chunk)`` passes; the first pass's rows are staged in shared memory);
+            changes speed, never bits.
+        The tile defaults are the best that ``python -m benchmarks.decode_moe`` found on an H100 at
+        gpt-oss-120b's shape for 8 to 64 tokens (``docs/decisions/0029-grouped-decode-moe.md``).
         two_per_mma: put two tokens in one MMA (columns ``2q`` and ``2q + 1``; the other columns' values
             do not enter a column's sums); changes speed, never bits.
 
@@ -391,8 +394,6 @@ def cuda_moe_grouped(
     """
     t, hidden, k, inter = check_packed_moe(x, ids, gate_up_blocks, down_blocks)
     n_experts = gate_up_blocks.shape[0]
-    if down_pairs is None:
-        down_pairs = 2 if hidden % 32 == 0 else 1
     for name, tensor in (("gate_up_scales", gate_up_scales), ("down_scales", down_scales),
                          ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
         if not tensor.is_contiguous():
