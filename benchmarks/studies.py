@@ -68,7 +68,7 @@ STUDIES: dict[str, Study] = {s.name: s for s in (
     Study("decode_moe",
           "How fast is one decode MoE layer per kernel and token count against the bytes it must read?",
           "python -m benchmarks.decode_moe --tokens 1 8 16 32 64 128 256",
-          ("shape", "tokens", "kernel", "tiles", "us", "experts_read", "floor_us", "of_floor")),
+          ("shape", "kernel", "tiles"), pivots=(("tokens", "us", "{} tokens µs"),)),
     Study("gsm8k_equivalence",
           "On real weights, do the two lanes give the same GSM8K answers?",
           "python -m ops.tools.eval_gsm8k (through benchmarks/recipes/gpu_serve.py)",
