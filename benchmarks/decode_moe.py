@@ -10,7 +10,7 @@ Kernels (``--kernels``):
 - ``grouped_gemm_16``: the same at the fixed height 16 (the row-exact path for backends without a grouped
   decode kernel).
 
-Each call is captured 20 times in one CUDA graph on 8 rotating routings (so consecutive calls do not find
+Each call is captured 20 times in one CUDA graph (replayed once untimed, then timed) on 8 rotating routings (so consecutive calls do not find
 the experts in L2) and timed with CUDA events. Routing is uniform random top-4 of 128 experts, random weights
 (the layer's arithmetic does not depend on the values).
 
@@ -25,28 +25,13 @@ import json
 
 import torch
 
+from benchmarks.kernels import graph_time_ms
 from benchmarks.results import write_result
 
 
-def _time_us(fn, iters: int = 20) -> float:
-    """GPU µs per call of ``fn``: ``iters`` calls captured in one CUDA graph, replayed twice (the second timed)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) * 1e3 / iters
+def _time_us(fn) -> float:
+    """GPU µs per call of ``fn``: :func:`benchmarks.kernels.graph_time_ms` over 20 calls in one graph."""
+    return graph_time_ms(fn, iters=20) * 1e3
 
 
 def _calls(args, t: int, x, x_mx, w, routings, packed, experts) -> dict:

@@ -25,7 +25,7 @@ import json
 import torch
 
 
-def _time_ms(fn, iters: int = 50) -> float:
+def graph_time_ms(fn, iters: int = 50) -> float:
     """GPU ms per call of ``fn``: ``iters`` calls captured in one CUDA graph (no Python launch cost), replayed."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -54,7 +54,7 @@ def _sweep(title: str, call, grid: dict[str, tuple], top: int, mb: float, prefix
     for values in itertools.product(*grid.values()):
         config = dict(zip(grid, values, strict=True))
         try:
-            ms = _time_ms(lambda config=config: call(**config))
+            ms = graph_time_ms(lambda config=config: call(**config))
         except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is skipped
             print(f"  {title} {config}: {type(exc).__name__}")
             continue
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     experts_used = id_sets[0].unique().numel()
     moved = experts_used * (gu_b[0].numel() + gu_s[0].numel() + dn_b[0].numel() + dn_s[0].numel())
     dense = torch.randn(16 * i, h, device=dev, dtype=torch.bfloat16)  # larger than L2
-    ms = _time_ms(lambda: torch.nn.functional.linear(x, dense), iters=20)
+    ms = graph_time_ms(lambda: torch.nn.functional.linear(x, dense), iters=20)
     print(f"cuBLAS bf16 GEMV [{16 * i} x {h}] ({dense.numel() * 2 / 1e6:.1f} MB): {ms * 1e3:.1f} us, "
           f"{dense.numel() * 2 / ms / 1e6:.0f} GB/s")
     print(f"MoE: {t} token(s), {experts_used} experts read, {moved / 1e6:.1f} MB per call")
@@ -163,7 +163,7 @@ def _bench_attention(dev: torch.device) -> list[tuple]:
         for window in (None, 128):
             for splits in (8, 16, 32, 64):
                 ws: dict = {}
-                ms = _time_ms(lambda splits=splits, window=window, ws=ws, lens=lens: triton_decode_attention(
+                ms = graph_time_ms(lambda splits=splits, window=window, ws=ws, lens=lens: triton_decode_attention(
                     q, kp, vp, table, lens, 0.125, sinks=sinks, sliding_window=window, num_splits=splits,
                     workspace=ws))
                 print(f"attention ctx={ctx} window={window} splits={splits:2d}: {ms * 1e3:6.1f} us")
@@ -187,7 +187,7 @@ def _bench_dense(dev: torch.device) -> list[tuple]:
         def call(fn, ws=ws, b=b, xi=xi, turn=turn, **tiles):
             turn[0] += 1
             fn(xi, ws[turn[0] % len(ws)], b, **tiles)
-        ms = _time_ms(lambda call=call: call(torch.nn.functional.linear))
+        ms = graph_time_ms(lambda call=call: call(torch.nn.functional.linear))
         print(f"dense {name} [{n} x {k}] ({mb:.1f} MB): cuBLAS {ms * 1e3:6.1f} us {mb / ms:6.0f} GB/s")
         rows += _sweep(f"triton_gemv {name}", lambda call=call, **tiles: call(triton_gemv, **tiles),
                        {"block_n": (4, 8, 16), "block_k": (256, 512, 1024), "num_warps": (4, 8)}, 4, mb,

@@ -294,19 +294,8 @@ def test_bulk_copy_moe_in_a_cuda_graph_with_small_widths():
     from replicas.kernels.moe.reference import moe_reference
 
     e, hidden, inter = 6, 96, 64
+    ex = _small_experts(e, hidden, inter, seed=8)
     g = torch.Generator(device="cuda").manual_seed(9)
-    ex = Experts.__new__(Experts)
-    ex.gate_up_proj_blocks = torch.randint(0, 256, (e, 2 * inter, hidden // 32, 16), generator=g, device="cuda",
-                                           dtype=torch.uint8)
-    ex.gate_up_proj_scales = torch.randint(118, 124, (e, 2 * inter, hidden // 32), generator=g, device="cuda",
-                                           dtype=torch.uint8)
-    ex.down_proj_blocks = torch.randint(0, 256, (e, hidden, inter // 32, 16), generator=g, device="cuda",
-                                        dtype=torch.uint8)
-    ex.down_proj_scales = torch.randint(118, 124, (e, hidden, inter // 32), generator=g, device="cuda",
-                                        dtype=torch.uint8)
-    ex.gate_up_proj_bias = (0.1 * torch.randn(e, 2 * inter, generator=g, device="cuda")).bfloat16()
-    ex.down_proj_bias = (0.1 * torch.randn(e, hidden, generator=g, device="cuda")).bfloat16()
-    ex.alpha, ex.limit = 1.702, 7.0
     x = torch.randn(2, hidden, generator=g, device="cuda").bfloat16()
     ids = torch.tensor([[0, 3], [5, 1]], device="cuda")
     w = torch.softmax(torch.randn(2, 2, generator=g, device="cuda"), -1).bfloat16()
@@ -422,6 +411,7 @@ def test_grouped_bulk_rows_are_the_one_pair_kernels_bits(repacked):
 
 
 def _small_experts(e: int, hidden: int, inter: int, seed: int):
+    """``e`` random packed bf16 experts of widths ``hidden`` / ``inter`` (:class:`Experts`' fields)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     ex = Experts.__new__(Experts)
     ex.gate_up_proj_blocks = torch.randint(0, 256, (e, 2 * inter, hidden // 32, 16), generator=g, device="cuda",

@@ -317,6 +317,36 @@ def grid_size(tiles: int, sms: int, blocks_per_sm: int, block_smem: int, smem_pe
     return -(-tiles // -(-tiles // blocks))
 
 
+def check_tiles_and_buffers(hidden: int, inter: int, pairs: int, down_pairs: int, gate_up_scales: torch.Tensor,
+                            down_scales: torch.Tensor, gate_up_bias: torch.Tensor, down_bias: torch.Tensor) -> None:
+    """The operand checks both ``hopper_bulk`` kernels make before any launch (besides
+    :func:`~replicas.kernels.moe.mxfp4.check_packed_moe`'s).
+
+    Raises:
+        ValueError: scales or biases not contiguous, biases not bf16, or ``16 * pairs`` not dividing ``2I``
+            (``16 * down_pairs`` not dividing ``hidden``)."""
+    for name, tensor in (("gate_up_scales", gate_up_scales), ("down_scales", down_scales),
+                         ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if gate_up_bias.dtype != torch.bfloat16 or down_bias.dtype != torch.bfloat16:
+        raise ValueError(f"biases must be bf16, got {gate_up_bias.dtype} and {down_bias.dtype}")
+    if (2 * inter) % (16 * pairs) or hidden % (16 * down_pairs):
+        raise ValueError(f"16 * pairs must divide 2I ({2 * inter}) and 16 * down_pairs hidden ({hidden})")
+
+
+def launch_operands(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, x_mxfp4: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x_mxfp4, weights, ids)`` as the kernels read them: the activations in the MMA format (computed
+    when None), the routing weights contiguous bf16 or fp32 (others converted to fp32), the ids contiguous
+    int64."""
+    if x_mxfp4 is None:
+        x_mxfp4 = mxfp4_activations(x)
+    if weights.dtype not in (torch.bfloat16, torch.float32):
+        weights = weights.float()
+    return x_mxfp4, weights.contiguous(), ids.to(torch.int64).contiguous()
+
+
 def cuda_moe_bulk(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor,
@@ -361,14 +391,7 @@ def cuda_moe_bulk(
     t, hidden, k, inter = check_packed_moe(x, ids, gate_up_blocks, down_blocks)
     if down_pairs is None:  # 32-row down tiles where they divide hidden (docs/decisions/0018)
         down_pairs = 2 if hidden % 32 == 0 else 1
-    for name, tensor in (("gate_up_scales", gate_up_scales), ("down_scales", down_scales),
-                         ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if gate_up_bias.dtype != torch.bfloat16 or down_bias.dtype != torch.bfloat16:
-        raise ValueError(f"biases must be bf16, got {gate_up_bias.dtype} and {down_bias.dtype}")
-    if (2 * inter) % (16 * pairs) or hidden % (16 * down_pairs):
-        raise ValueError(f"16 * pairs must divide 2I ({2 * inter}) and 16 * down_pairs hidden ({hidden})")
+    check_tiles_and_buffers(hidden, inter, pairs, down_pairs, gate_up_scales, down_scales, gate_up_bias, down_bias)
     if t * k > MAX_PAIRS:
         raise ValueError(f"{t} tokens x {k} experts: at most {MAX_PAIRS} (token, expert) pairs per call")
     sms, limit_bytes, smem_per_sm = _device_limits(x.device)
@@ -376,13 +399,7 @@ def cuda_moe_bulk(
         if shared_bytes(g, w, p, stages) > limit_bytes:
             raise ValueError(f"{stages} stages of {16 * p} rows x {g} blocks need {shared_bytes(g, w, p, stages)} "
                              f"bytes of shared memory; a block may have {limit_bytes}")
-    if x_mxfp4 is None:
-        x_mxfp4 = mxfp4_activations(x)
-    if ids.dtype != torch.int64:
-        ids = ids.to(torch.int64)
-    if weights.dtype not in (torch.bfloat16, torch.float32):
-        weights = weights.float()
-    ids, weights = ids.contiguous(), weights.contiguous()
+    x_mxfp4, weights, ids = launch_operands(x, weights, ids, x_mxfp4)
     launch_pdl = "launch_pdl" in pdl_args(x, pdl)
     pairs_n = t * k
     i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float

@@ -36,8 +36,14 @@ import functools
 import torch
 
 from replicas.kernels.cuda_source import CUDA_PRELUDE, CudaKernel
-from replicas.kernels.moe.hopper_bulk import _c_string, _device_limits, grid_size
-from replicas.kernels.moe.mma_format import X_SHIFT, decode_asm, mxfp4_activations
+from replicas.kernels.moe.hopper_bulk import (
+    _c_string,
+    _device_limits,
+    check_tiles_and_buffers,
+    grid_size,
+    launch_operands,
+)
+from replicas.kernels.moe.mma_format import X_SHIFT, decode_asm
 from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, check_packed_moe
 from replicas.kernels.pdl import pdl_args
 
@@ -394,14 +400,7 @@ def cuda_moe_grouped(
     """
     t, hidden, k, inter = check_packed_moe(x, ids, gate_up_blocks, down_blocks)
     n_experts = gate_up_blocks.shape[0]
-    for name, tensor in (("gate_up_scales", gate_up_scales), ("down_scales", down_scales),
-                         ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if gate_up_bias.dtype != torch.bfloat16 or down_bias.dtype != torch.bfloat16:
-        raise ValueError(f"biases must be bf16, got {gate_up_bias.dtype} and {down_bias.dtype}")
-    if (2 * inter) % (16 * pairs) or hidden % (16 * down_pairs):
-        raise ValueError(f"16 * pairs must divide 2I ({2 * inter}) and 16 * down_pairs hidden ({hidden})")
+    check_tiles_and_buffers(hidden, inter, pairs, down_pairs, gate_up_scales, down_scales, gate_up_bias, down_bias)
     if t * k > MAX_PAIRS or n_experts > MAX_EXPERTS:
         raise ValueError(f"{t} tokens x {k} experts of {n_experts}: at most {MAX_PAIRS} (token, expert) pairs "
                          f"and {MAX_EXPERTS} experts per call")
@@ -415,13 +414,7 @@ def cuda_moe_grouped(
         if layouts[gate_up] > limit_bytes:
             raise ValueError(f"a tile of {16 * p} rows x {g} blocks and {tokens_per_chunk} activation rows need "
                              f"{layouts[gate_up]} bytes of shared memory; a block may have {limit_bytes}")
-    if x_mxfp4 is None:
-        x_mxfp4 = mxfp4_activations(x)
-    if ids.dtype != torch.int64:
-        ids = ids.to(torch.int64)
-    if weights.dtype not in (torch.bfloat16, torch.float32):
-        weights = weights.float()
-    ids, weights = ids.contiguous(), weights.contiguous()
+    x_mxfp4, weights, ids = launch_operands(x, weights, ids, x_mxfp4)
     launch_pdl = "launch_pdl" in pdl_args(x, pdl)
     n_pairs = t * k
     most_experts = min(n_experts, n_pairs)
