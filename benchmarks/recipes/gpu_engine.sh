@@ -11,7 +11,8 @@
 #   there: GIT_COMMIT=<short hash> bash benchmarks/recipes/gpu_engine.sh .whl/engine   (carry .whl/engine)
 #
 # Steps (STEPS, default "tests batch_one lanes on off"; pick some per 10-minute call, e.g. "tests batch_one"
-# then "lanes on off"): tests, batch_one (benchmarks.engine on gpt-oss-120b), baseline (the same benchmark
+# then "lanes on off"): tests, batch_one (benchmarks.engine on gpt-oss-120b), decode_moe (one MoE layer per kernel
+# and token count, benchmarks.decode_moe), baseline (the same benchmark
 # from an older tree carried in BASELINE_TREE, its ops.bench.engine or benchmarks.engine, so that a card other
 # than the results' can still say whether a number moved), lanes, on, off. Budgets (seconds, environment):
 # TESTS_S (360), BATCH_ONE_S (150), LANES_S (150), MODEL_S (each 120b sweep, 200); SWEEP_C, the sweep's
@@ -38,6 +39,8 @@ if [[ $steps == *" baseline "* ]]; then
   ( cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout "${BATCH_ONE_S:-150}" python3 -m $module "${batch_one[@]}" \
     --json "$out/eng/baseline.json" 2>&1 | tail -12 )
 fi
+[[ $steps == *" decode_moe "* ]] && timeout "${DECODE_MOE_S:-150}" python3 -m benchmarks.decode_moe --out "$out" \
+  --tokens 1 8 16 32 64 128 256 2>&1 | tail -40
 [[ $steps == *" lanes "* ]] && timeout "${LANES_S:-150}" python3 -m benchmarks.prefill --out "$out/lanes" --parts lanes --budget-s "${LANES_S:-150}" \
   2>&1 | grep -A8 "Lane agreement"
 for mode in on off; do
