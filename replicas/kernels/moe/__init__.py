@@ -266,19 +266,16 @@ class MoE:
         Raises:
             RuntimeError: neither a row-exact decode family nor the grouped GEMMs are available."""
         if not prefill and self.row_exact_decode:
-            extra = {"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}
             if x.shape[0] <= DECODE_MAX_TOKENS:
-                return self._decode(x, weights, ids, *_packed(experts), **extra)
-            if x.shape[0] <= GROUPED_DECODE_MAX_TOKENS:
-                return self._grouped_decode(x, weights, ids, *_packed(experts), **extra)
+                return self._decode(x, weights, ids, *_packed(experts),
+                                    **({"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}))
             import torch
 
             step = GROUPED_DECODE_MAX_TOKENS
-            return torch.cat([self._grouped_decode(x[i:i + step], weights[i:i + step], ids[i:i + step],
-                                                   *_packed(experts),
-                                                   **({"x_mxfp4": x_mxfp4[i:i + step]} if x_mxfp4 is not None
-                                                      else {}))
-                              for i in range(0, x.shape[0], step)])
+            parts = [self._grouped_decode(x[i:i + step], weights[i:i + step], ids[i:i + step], *_packed(experts),
+                                          **({"x_mxfp4": x_mxfp4[i:i + step]} if x_mxfp4 is not None else {}))
+                     for i in range(0, x.shape[0], step)]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         if self._grouped_partials is None:
             raise RuntimeError(f"row-exact MoE needs the grouped GEMMs (prefill path is {self.choice.prefill})")
         return self._grouped_partials(x, weights, ids, experts,

@@ -51,6 +51,31 @@ def _c_string(text: str) -> str:
     return "\n".join('"' + line + '\\n"' for line in text.splitlines())
 
 
+ROW_ARITHMETIC = r"""
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+__device__ __forceinline__ float block_scale(u32 s) {  // 2**(s - 127) * 2**(126 - 64): E8M0 and encodings
+  return __uint_as_float((s + (126 - X_SHIFT)) << 23);
+}
+
+// GPT-OSS's clamped SwiGLU of a row's gate and up sums, times 2**64 (the MMA activation format's scale)
+__device__ __forceinline__ float swiglu_h(float gate, float up, float alpha, float limit) {
+  gate = fminf(gate, limit);
+  up = fminf(fmaxf(up, -limit), limit);
+  return (up + 1.f) * gate / (1.f + __expf(-gate * alpha)) * X_SCALE;
+}
+
+__device__ __forceinline__ int mma_position(int j) {  // where value j of a row sits in the MMA activation format
+  return 8 * (j / 8) + 2 * (j % 4) + (j % 8) / 4;
+}
+"""
+"""The per-row arithmetic that the one-pair kernel and :mod:`.hopper_grouped`'s grouped kernel share, so that
+a row's sums and epilogue are the same code in both (the lane-quad sum, the E8M0 block scale, the SwiGLU
+epilogue, the activation format's order)."""
+
 _SOURCE = r"""
 #define NT (32 * W)
 #define ROWS (16 * P)
@@ -62,15 +87,6 @@ __device__ __forceinline__ void mma_step(float& ca, float& cb, const U4& a, cons
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w),
         "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]), "r"(x[4]), "r"(x[5]), "r"(x[6]), "r"(x[7]),
         "r"(x[8]), "r"(x[9]), "r"(x[10]), "r"(x[11]), "r"(x[12]), "r"(x[13]), "r"(x[14]), "r"(x[15]));
-}
-
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
-__device__ __forceinline__ float block_scale(u32 s) {  // 2**(s - 127) * 2**(126 - 64): E8M0 and encodings
-  return __uint_as_float((s + (126 - X_SHIFT)) << 23);
 }
 
 // Tile t: rows [r0, r0 + ROWS) of expert e's packed matrix [nrows_total, G, 16] (pair = t / tiles per pair).
@@ -208,11 +224,7 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
         gate += red_t[w * ROWS + 2 * tid];
         up += red_t[w * ROWS + 2 * tid + 1];
       }
-      gate = fminf(gate, limit);
-      up = fminf(fmaxf(up, -limit), limit);
-      const float h = (up + 1.f) * gate / (1.f + __expf(-gate * alpha)) * X_SCALE;
-      const int pos = 8 * (j / 8) + 2 * (j % 4) + (j % 8) / 4;  // the MMA activation format
-      reinterpret_cast<u16*>(out)[pair * stride_out + pos] = f32_to_bf16(h);
+      reinterpret_cast<u16*>(out)[pair * stride_out + mma_position(j)] = f32_to_bf16(swiglu_h(gate, up, alpha, limit));
     }
 #else
     if (tid < ROWS) {
@@ -263,7 +275,7 @@ def kernel_source(g: int, warps: int, pairs: int, stages: int, gate_up: bool, ro
     defines |= shared_layout(g, warps, pairs, stages)
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += "#define MMA_ASM " + _c_string(mma_asm("%", chains=2, repacked=repacked)).replace("\n", " \\\n") + "\n"
-    return head + CUDA_PRELUDE + _SOURCE
+    return head + CUDA_PRELUDE + ROW_ARITHMETIC + _SOURCE
 
 
 @functools.cache

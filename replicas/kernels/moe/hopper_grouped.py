@@ -11,7 +11,8 @@ grouped GEMMs.
 Here a block takes one tile of one *expert*: it bulk-copies the tile once, and each warp decodes each of
 its K steps once and multiplies the decoded step by the activations of every token routed to that expert
 (``tokens_per_chunk`` at a time), with the same MMA sequence, the same two accumulator chains, the same
-per-block scaling, the same lane-quad and cross-warp sums and the same epilogue as the one-pair kernel.
+per-block scaling, the same lane-quad and cross-warp sums and the same epilogue as the one-pair kernel (the
+helpers of :data:`~.hopper_bulk.ROW_ARITHMETIC` are the same code in both).
 Each token's sums are therefore the one-pair kernel's, bit for bit, whatever the number of tokens, their
 company and their order, as long as both launches use the same warps per block (the warps split the K steps
 and their partial sums are added in warp order); the rows per tile may differ (rows never mix). This makes
@@ -37,6 +38,7 @@ import torch
 
 from replicas.kernels.cuda_source import CUDA_PRELUDE, CudaKernel
 from replicas.kernels.moe.hopper_bulk import (
+    ROW_ARITHMETIC,
     _c_string,
     _device_limits,
     check_tiles_and_buffers,
@@ -58,15 +60,6 @@ _SOURCE = r"""
 #define ROWS (16 * P)
 #define NS ((G + 3) / 4)
 #define FULL 0xffffffffu
-
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(FULL, v, 1);
-  return v + __shfl_xor_sync(FULL, v, 2);
-}
-
-__device__ __forceinline__ float block_scale(u32 s) {  // 2**(s - 127) * 2**(126 - 64): E8M0 and encodings
-  return __uint_as_float((s + (126 - X_SHIFT)) << 23);
-}
 
 // The A registers of one step's 8 MMAs (4 each) from this lane's 16-byte block of rows a and b.
 __device__ __forceinline__ void decode_step(u32 (&d)[32], const U4& a, const U4& b) {
@@ -282,18 +275,14 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
 #if GATE_UP
       for (int u = tid; u < nj * (ROWS / 2); u += NT) {
         const int j = u / (ROWS / 2), i = u % (ROWS / 2), pair = s_list[c0 + j];
-        const int jr = r0 / 2 + i;
         float gate = bf16_to_f32(bias_e[r0 + 2 * i]), up = bf16_to_f32(bias_e[r0 + 2 * i + 1]);
 #pragma unroll
         for (int w = 0; w < W; ++w) {
           gate += red_c[(j * W + w) * ROWS + 2 * i];
           up += red_c[(j * W + w) * ROWS + 2 * i + 1];
         }
-        gate = fminf(gate, limit);
-        up = fminf(fmaxf(up, -limit), limit);
-        const float h = (up + 1.f) * gate / (1.f + __expf(-gate * alpha)) * X_SCALE;
-        const int pos = 8 * (jr / 8) + 2 * (jr % 4) + (jr % 8) / 4;  // the MMA activation format
-        reinterpret_cast<u16*>(out)[pair * stride_out + pos] = f32_to_bf16(h);
+        reinterpret_cast<u16*>(out)[pair * stride_out + mma_position(r0 / 2 + i)] =
+            f32_to_bf16(swiglu_h(gate, up, alpha, limit));
       }
 #else
       for (int u = tid; u < nj * ROWS; u += NT) {
@@ -348,7 +337,7 @@ def kernel_source(g: int, warps: int, pairs: int, tokens_per_chunk: int, two: bo
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     for name, high in (("DECODE_LO", False), ("DECODE_HI", True)):
         head += f"#define {name} " + _c_string(decode_asm(high, repacked)).replace("\n", " \\\n") + "\n"
-    return head + CUDA_PRELUDE + _SOURCE
+    return head + CUDA_PRELUDE + ROW_ARITHMETIC + _SOURCE
 
 
 def _name(gate_up: bool) -> str:

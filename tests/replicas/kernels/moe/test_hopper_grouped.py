@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from replicas.kernels.moe import hopper_bulk as bulk  # noqa: E402
 from replicas.kernels.moe import hopper_grouped as grouped  # noqa: E402
 from replicas.kernels.moe.mma_format import decode_asm, mma_asm  # noqa: E402
 from tests.replicas.kernels.moe.test_hopper_bulk import _operands, _repacked, _run_decode  # noqa: E402
@@ -44,6 +45,9 @@ def test_source_and_shared_layout_agree():
     src = grouped.kernel_source(90, 4, 2, 8, True, False, True, repacked=True)
     assert all(f"#define {name} {value}\n" in src for name, value in layout.items())
     assert "#define TWO 1" in src and "#define GATE_UP 0" in src and "#define NJ 8" in src
+    # a row's sums and epilogue are the one-pair kernel's own code, not a copy of it
+    assert bulk.ROW_ARITHMETIC in src and bulk.ROW_ARITHMETIC in bulk.kernel_source(90, 4, 1, 1, True, False)
+    assert "swiglu_h(" in src.split(bulk.ROW_ARITHMETIC, 1)[1] and "quad_sum(" in src.split(bulk.ROW_ARITHMETIC, 1)[1]
     assert "$" not in src.split("#define DECODE_LO", 1)[1].split("typedef", 1)[0]  # CUDA operands are %N
     # regions in order, none overlapping: the pair list, the tile (128-byte aligned), the activation rows,
     # two chunks of sums, the zero block
