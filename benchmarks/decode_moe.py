@@ -5,6 +5,7 @@ gpt-oss-120b's expert shape, per kernel, against the bytes floor of the experts 
 Kernels (``--kernels``):
 
 - ``one_pair``: ``hopper_bulk``'s one-pair kernel (:mod:`replicas.kernels.moe.hopper_bulk`; at most 32 tokens);
+- ``one_pair_folded``: the same in the folded family (``fold_scales``);
 - ``grouped``: its grouped kernel (:mod:`replicas.kernels.moe.hopper_grouped`), once per ``--tiles`` setting;
 - ``grouped_gemm``: the grouped GEMMs (:mod:`replicas.kernels.moe.grouped_gemm`) at their own M-block height;
 - ``grouped_gemm_16``: the same at the fixed height 16 (the row-exact path for backends without a grouped
@@ -49,6 +50,9 @@ def _calls(args, t: int, x, x_mx, w, routings, packed, experts) -> dict:
     calls = {}
     if "one_pair" in args.kernels and t * w.shape[1] <= 128:
         calls["one_pair", "{}"] = lambda: cuda_moe_bulk(x, w, ids(), *packed, x_mxfp4=x_mx, repacked=True)
+    if "one_pair_folded" in args.kernels and t * w.shape[1] <= 128:
+        calls["one_pair_folded", "{}"] = lambda: cuda_moe_bulk(x, w, ids(), *packed, x_mxfp4=x_mx, repacked=True,
+                                                               fold_scales=True)
     if "grouped" in args.kernels:
         for tiles in args.tiles:
             calls["grouped", tiles] = functools.partial(
@@ -64,7 +68,8 @@ def _calls(args, t: int, x, x_mx, w, routings, packed, experts) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 256])
-    p.add_argument("--kernels", nargs="+", default=["one_pair", "grouped", "grouped_gemm", "grouped_gemm_16"])
+    p.add_argument("--kernels", nargs="+", default=["one_pair", "one_pair_folded", "grouped", "grouped_gemm",
+                                                     "grouped_gemm_16"])
     p.add_argument("--tiles", nargs="+", default=["{}"],
                    help="JSON tile settings of the grouped kernel (cuda_moe_grouped's arguments), one run each")
     p.add_argument("--experts", type=int, default=128)

@@ -885,7 +885,8 @@ def main(argv: list[str] | None = None) -> Report | None:
     p.add_argument("--bandwidth-tbps", type=float, default=4.8, help="HBM bandwidth for the floors (H200: 4.8)")
     p.add_argument("--tflops", type=float, default=790.0, help="dense bf16 TFLOP/s for the floors (H200, measured)")
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
-                   help="engine config field for the model parts (repeatable), e.g. batch_invariant=true")
+                   help="engine config field for the model parts (repeatable; numbers, booleans and JSON objects "
+                        "are parsed), e.g. batch_invariant=true or moe_tiles='{\"fold_scales\": 1}'")
     p.add_argument("--concurrency", type=lambda v: tuple(int(c) for c in v.split(",")), default=None,
                    help="the standard-lane sweep's concurrencies, comma-separated (default 1,8,16,64,256; the KV "
                         "cache is sized for the largest: on an 80 GB card gpt-oss-120b fits up to 64)")
@@ -893,7 +894,7 @@ def main(argv: list[str] | None = None) -> Report | None:
                    help="CPU, Triton's interpreter, tiny shapes: checks that the script runs (numbers meaningless)")
     args = p.parse_args(argv)
     S.engine = {k: json.loads(v.lower() if v.lower() in ("true", "false") else v) if v[:1].isdigit() or
-                v.lower() in ("true", "false") else v for k, v in (kv.split("=", 1) for kv in args.engine)}
+                v[:1] == "{" or v.lower() in ("true", "false") else v for k, v in (kv.split("=", 1) for kv in args.engine)}
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         S.make_smoke()

@@ -394,12 +394,12 @@ class DecodeOps:
             return self.add_rmsnorm(residual, parts, norm, weight_in_fp32)
         return self.add_rmsnorm(self.moe(x, weights, ids, experts, residual=residual), None, norm, weight_in_fp32)
 
-    def mxfp4_for(self, tokens: int) -> bool:
-        """Whether a decode step of ``tokens`` rows runs MoE kernels that read the tensor-core activation
-        format (the add + RMSNorm before them then writes it): :attr:`takes_mxfp4_activations`, and the
-        decode kernels serve that many rows (always with :attr:`batch_invariant` and a row-exact decode
-        family; else up to :attr:`~replicas.kernels.moe.MoE.decode_max_tokens`)."""
-        return self.takes_mxfp4_activations and (self.batch_invariant or tokens <= self.moe.decode_max_tokens)
+    def mxfp4_for(self, tokens: int, prefill: bool = False) -> bool:
+        """Whether a step of ``tokens`` rows (``prefill``: prompt tokens, else decode rows) runs MoE kernels
+        that read the tensor-core activation format (the add + RMSNorm before them then writes it):
+        :attr:`takes_mxfp4_activations`, and :meth:`~replicas.kernels.moe.MoE.reads_mxfp4` for the path
+        :meth:`moe_add_rmsnorm` takes (the row-exact one with :attr:`batch_invariant`)."""
+        return self.takes_mxfp4_activations and self.moe.reads_mxfp4(tokens, prefill, self.batch_invariant)
 
     @property
     def takes_mxfp4_activations(self) -> bool:

@@ -298,7 +298,7 @@ class GptOssForCausalLM(CausalLM):
         t = input_ids.shape[0]
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         _, h = ops.add_rmsnorm(x, None, layers[0].input_layernorm, True)
-        mx = ops.takes_mxfp4_activations and t <= DECODE_MAX_TOKENS  # the decode MoE kernels' activation format
+        mx = ops.mxfp4_for(t, prefill=True)  # the MoE kernels read the tensor-core activation format
         for i, (layer, (kp, vp)) in enumerate(zip(layers, kv_planes, strict=True)):
             attn = layer.self_attn
             q = ops.prefill_rope_kv(attn, attn.qkv_proj(h, ops.prefill_linear), self.rope_cos, self.rope_sin,

@@ -39,7 +39,7 @@ import warnings
 import torch
 
 from replicas.kernels.cuda_source import CUDA_PRELUDE, CudaKernel
-from replicas.kernels.moe.mma_format import X_SHIFT, mma_asm, mxfp4_activations
+from replicas.kernels.moe.mma_format import X_SHIFT, decode_asm, mma_asm, mxfp4_activations
 from replicas.kernels.moe.mxfp4 import BLOCK_SIZE, BYTES_PER_BLOCK, check_packed_moe
 from replicas.kernels.pdl import pdl_args
 
@@ -76,12 +76,81 @@ __device__ __forceinline__ int mma_position(int j) {  // where value j of a row 
 a row's sums and epilogue are the same code in both (the lane-quad sum, the E8M0 block scale, the SwiGLU
 epilogue, the activation format's order)."""
 
+STEP_ARITHMETIC = r"""
+// The A registers of one step's 8 MMAs (4 each) from this lane's 16-byte block of rows a and b: MMA i's are
+// d[4i..4i+3] = row a's pair, row b's pair, row a's next pair, row b's next pair (mma_asm's order).
+__device__ __forceinline__ void decode_step(u32 (&d)[32], const U4& a, const U4& b) {
+  const u32 wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    asm(DECODE_LO : "=r"(d[8 * w]), "=r"(d[8 * w + 1]), "=r"(d[8 * w + 2]), "=r"(d[8 * w + 3]) : "r"(wa[w]), "r"(wb[w]));
+    asm(DECODE_HI : "=r"(d[8 * w + 4]), "=r"(d[8 * w + 5]), "=r"(d[8 * w + 6]), "=r"(d[8 * w + 7])
+        : "r"(wa[w]), "r"(wb[w]));
+  }
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], const u32* a, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One step as mma_asm(chains=2): MMA i on chain i % 2 (both from zero), then the chains added.
+// r[0], r[2]: column 2q of rows a and b; r[1], r[3]: column 2q + 1.
+__device__ __forceinline__ void mma_step(float (&r)[4], const u32 (&d)[32], const u32 (&x)[16]) {
+  float c[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int w = i / 2, p0 = 2 * (i % 2);
+    if (i % 2 == 0) mma(c, &d[4 * i], x[4 * w + p0], x[4 * w + p0 + 1]);
+    else mma(e, &d[4 * i], x[4 * w + p0], x[4 * w + p0 + 1]);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r[i] = c[i] + e[i];
+}
+
+// The folded family: each decoded code pair times its row's block factor 2**(s - 65) (one bf16x2 multiply,
+// exact: see fold_factor), so that an MMA's 16 k-columns, which span the four blocks of the lane quad, sum
+// scaled weights and each MMA column can carry its own token.
+__device__ __forceinline__ u32 fold_factor(u32 s) {  // 2**(s - 65) as bf16, twice: normal for s <= 192
+  const u32 h = (s + 62u) << 7;
+  return h | (h << 16);
+}
+
+__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+__device__ __forceinline__ void fold_scales(u32 (&d)[32], u32 sa, u32 sb) {
+  const u32 fa = fold_factor(sa), fb = fold_factor(sb);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    d[4 * i] = mul_bf16x2(d[4 * i], fa);
+    d[4 * i + 1] = mul_bf16x2(d[4 * i + 1], fb);
+    d[4 * i + 2] = mul_bf16x2(d[4 * i + 2], fa);
+    d[4 * i + 3] = mul_bf16x2(d[4 * i + 3], fb);
+  }
+}
+"""
+"""The per-step arithmetic the grouped kernel runs in both families and the one-pair kernel runs in the folded
+family (``FOLD``): decoding a step's A registers once (``DECODE_LO`` / ``DECODE_HI``:
+:func:`~.mma_format.decode_asm`), the step's 8 MMAs on two chains (:func:`~.mma_format.mma_asm`'s order), and
+the folded family's scaling of the decoded weights.
+
+Folding is exact: a decoded code is its E2M1 value times ``2**-126`` (bf16, subnormal for 0.5), and times
+``2**(s - 65)`` it is the value times ``2**(s - 191)``, a normal bf16 for every scale code ``s >= 66`` (the
+grouped GEMMs' bound, :mod:`.grouped_gemm`); the activations carry ``2**64``, so each product is
+``w * 2**(s - 127) * x`` exactly, and the sums need no block scale."""
+
 _SOURCE = r"""
 #define NT (32 * W)
 #define ROWS (16 * P)
 #define NS ((G + 3) / 4)
 
-__device__ __forceinline__ void mma_step(float& ca, float& cb, const U4& a, const U4& b, const u32* x) {
+__device__ __forceinline__ void fused_step(float& ca, float& cb, const U4& a, const U4& b, const u32* x) {
   asm(MMA_ASM
       : "=f"(ca), "=f"(cb)
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w),
@@ -154,7 +223,11 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
     }
   }
 #endif
+#if FOLD
+  const bool supplier = r8 == 0;  // column 0: the lanes of every quad position feed their blocks
+#else
   const bool supplier = r8 == 2 * q;  // this lane feeds the MMA's B operand (column 2q)
+#endif
   int it = 0;
   for (int t = blockIdx.x; t < n_tiles; t += gridDim.x, ++it) {
     const int stage = it % S;
@@ -192,15 +265,29 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
         const int ra = 16 * p + r8, rb = ra + 8;
         const U4 a = *reinterpret_cast<const U4*>(st + SCALE_BYTES + ra * ROW_BYTES + gc * 16);
         const U4 b = *reinterpret_cast<const U4*>(st + SCALE_BYTES + rb * ROW_BYTES + gc * 16);
+#if FOLD
+        u32 d[32];
+        decode_step(d, a, b);
+        fold_scales(d, st[ra * G + gc], st[rb * G + gc]);
+        float r[4];
+        mma_step(r, d, x);
+        acc[2 * p] += r[0];
+        acc[2 * p + 1] += r[2];
+#else
         float ca, cb;
-        mma_step(ca, cb, a, b, x);
+        fused_step(ca, cb, a, b, x);
         acc[2 * p] += ca * block_scale(st[ra * G + gc]);
         acc[2 * p + 1] += cb * block_scale(st[rb * G + gc]);
+#endif
       }
     }
 #pragma unroll
     for (int p = 0; p < P; ++p) {
+#if FOLD
+      const float ya = acc[2 * p], yb = acc[2 * p + 1];  // column 0's sums are whole in lanes q = 0
+#else
       const float ya = quad_sum(acc[2 * p]), yb = quad_sum(acc[2 * p + 1]);
+#endif
       if (q == 0) {
         red_t[kw * ROWS + 16 * p + r8] = ya;
         red_t[kw * ROWS + 16 * p + r8 + 8] = yb;
@@ -263,25 +350,33 @@ def shared_bytes(g: int, warps: int, pairs: int, stages: int) -> int:
     return shared_layout(g, warps, pairs, stages)["SMEM_BYTES"]
 
 
+def step_defines(repacked: bool) -> str:
+    """``#define DECODE_LO`` / ``DECODE_HI``: :func:`~.mma_format.decode_asm` for :data:`STEP_ARITHMETIC`."""
+    head = ""
+    for name, high in (("DECODE_LO", False), ("DECODE_HI", True)):
+        head += f"#define {name} " + _c_string(decode_asm(high, repacked)).replace("\n", " \\\n") + "\n"
+    return head
+
+
 def kernel_source(g: int, warps: int, pairs: int, stages: int, gate_up: bool, route_f32: bool,
-                  repacked: bool = False) -> str:
+                  repacked: bool = False, fold: bool = False) -> str:
     """The CUDA C++ of one launch: ``g`` blocks of 32 values per row, ``warps`` per block, ``16 * pairs``
     rows per tile, ``stages`` tiles in flight per block, the gate_up or the down launch, fp32 (else bf16)
     routing weights, packed words in the checkpoint's or :mod:`~replicas.kernels.moe.decode_layout`'s
-    bit layout (``repacked``)."""
+    bit layout (``repacked``), the block-scaled or the folded family (``fold``: :data:`STEP_ARITHMETIC`)."""
     defines = {"G": g, "W": warps, "P": pairs, "S": stages, "GATE_UP": int(gate_up), "ROUTE_F32": int(route_f32),
-               "MAX_PAIRS": MAX_PAIRS, "KERNEL_NAME": _name(gate_up),
+               "MAX_PAIRS": MAX_PAIRS, "KERNEL_NAME": _name(gate_up), "FOLD": int(fold),
                "X_SHIFT": X_SHIFT.value, "X_SCALE": f"{float(2 ** X_SHIFT.value)!r}f"}
     defines |= shared_layout(g, warps, pairs, stages)
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     head += "#define MMA_ASM " + _c_string(mma_asm("%", chains=2, repacked=repacked)).replace("\n", " \\\n") + "\n"
-    return head + CUDA_PRELUDE + ROW_ARITHMETIC + _SOURCE
+    return head + step_defines(repacked) + CUDA_PRELUDE + ROW_ARITHMETIC + STEP_ARITHMETIC + _SOURCE
 
 
 @functools.cache
 def _kernel(g: int, warps: int, pairs: int, stages: int, gate_up: bool, route_f32: bool,
-            repacked: bool = False) -> CudaKernel:
-    return CudaKernel(kernel_source(g, warps, pairs, stages, gate_up, route_f32, repacked), _name(gate_up),
+            repacked: bool = False, fold: bool = False) -> CudaKernel:
+    return CudaKernel(kernel_source(g, warps, pairs, stages, gate_up, route_f32, repacked, fold), _name(gate_up),
                       shared_bytes(g, warps, pairs, stages))
 
 
@@ -365,7 +460,7 @@ def cuda_moe_bulk(
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, x_mxfp4: torch.Tensor | None = None, num_warps: int = 4,
     down_num_warps: int = 4, pairs: int = 1, down_pairs: int | None = None, stages: int = 1, blocks_per_sm: int = 8,
-    repacked: bool = False, pdl: bool = True,
+    repacked: bool = False, pdl: bool = True, fold_scales: bool = False,
 ) -> torch.Tensor:
     """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches), as
     :func:`~replicas.kernels.moe.triton_tc.triton_moe_tc`.
@@ -389,6 +484,10 @@ def cuda_moe_bulk(
             else 1). stages: tiles in flight per block.
         repacked: the packed blocks are in :mod:`~replicas.kernels.moe.decode_layout`'s bit layout
             (:func:`~replicas.kernels.moe.decode_layout.repack_`), which decodes in fewer instructions.
+        fold_scales: the folded family (:data:`STEP_ARITHMETIC`: block scales multiplied into the decoded
+            weights, the token in MMA column 0): a row's bits are then those of
+            :func:`~.hopper_grouped.cuda_moe_grouped` with ``fold_scales`` and the same warps. Else the
+            block-scaled family (each lane quad's block in its own MMA column, scaled after the MMA).
         The tile defaults are the best that ``python -m benchmarks.kernels --kernels hopper_bulk`` found on an H200
         at gpt-oss-120b's shape (``docs/decisions/0018-bulk-moe-grid-and-tiles.md``).
 
@@ -417,7 +516,7 @@ def cuda_moe_bulk(
     i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
     h = torch.empty(pairs_n, inter, dtype=torch.bfloat16, device=x.device)
     tiles = pairs_n * 2 * inter // (16 * pairs)
-    _kernel(hidden // BLOCK_SIZE, num_warps, pairs, stages, True, False, repacked)(
+    _kernel(hidden // BLOCK_SIZE, num_warps, pairs, stages, True, False, repacked, fold_scales)(
         (grid_size(tiles, sms, blocks_per_sm, shared_bytes(hidden // BLOCK_SIZE, num_warps, pairs, stages),
                    smem_per_sm, 32 * num_warps), 1, 1), 32 * num_warps,
         [x_mxfp4, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, h,
@@ -428,7 +527,7 @@ def cuda_moe_bulk(
     out = torch.empty(t, k, hidden, dtype=torch.float32, device=x.device)
     tiles = pairs_n * hidden // (16 * down_pairs)
     _kernel(inter // BLOCK_SIZE, down_num_warps, down_pairs, stages, False, weights.dtype == torch.float32,
-            repacked)(
+            repacked, fold_scales)(
         (grid_size(tiles, sms, blocks_per_sm, shared_bytes(inter // BLOCK_SIZE, down_num_warps, down_pairs, stages),
                    smem_per_sm, 32 * down_num_warps), 1, 1), 32 * down_num_warps,
         [h, ids, weights, down_blocks, down_scales, down_bias, out,

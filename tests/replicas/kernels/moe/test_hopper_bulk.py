@@ -91,7 +91,9 @@ def test_cuda_source_uses_the_same_mma_step_and_fits_shared_memory():
     src = bulk.kernel_source(90, 4, 1, 1, True, False)
     assert "#define G 90" in src and "#define GATE_UP 1" in src and "#define S 1" in src
     assert "$" not in src.split("#define MMA_ASM", 1)[1]  # CUDA operands are %N
-    assert src.count("mma.sync.aligned.m16n8k16") == 8
+    # the block-scaled step's 8 MMAs (MMA_ASM), and the one MMA of the shared step code (the folded family's)
+    assert src.split("#define DECODE_LO", 1)[0].count("mma.sync.aligned.m16n8k16") == 8
+    assert src.count("mma.sync.aligned.m16n8k16") == 9
     # gpt-oss-120b: hidden = expert width = 2880 (90 blocks): the default tiles (4 warps, one 16-row stage)
     # need no shared-memory opt-in; a stage is the scales (128-byte aligned), the packed rows and the x row
     assert bulk.shared_bytes(90, 4, 1, 1) < 48 * 1024

@@ -13,7 +13,12 @@ pytest.importorskip("triton")
 from replicas.kernels.moe import hopper_bulk as bulk  # noqa: E402
 from replicas.kernels.moe import hopper_grouped as grouped  # noqa: E402
 from replicas.kernels.moe.mma_format import decode_asm, mma_asm  # noqa: E402
-from tests.replicas.kernels.moe.test_hopper_bulk import _operands, _repacked, _run_decode  # noqa: E402
+from tests.replicas.kernels.moe.test_hopper_bulk import (  # noqa: E402
+    _bf16_code,
+    _operands,
+    _repacked,
+    _run_decode,
+)
 
 
 def _run_split_decode(high: bool, repacked: bool, word_a: int, word_b: int) -> dict[str, int]:
@@ -69,3 +74,48 @@ def test_source_and_shared_layout_agree():
 def test_bad_operands_are_refused_before_any_launch(kwargs, operands, match):
     with pytest.raises(ValueError, match=match):
         grouped.cuda_moe_grouped(*_operands(**operands), **kwargs)
+
+
+def _bf16_bits(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def test_folding_the_block_scale_into_a_decoded_code_is_exact():
+    """The folded family's scaling (:data:`~.hopper_bulk.STEP_ARITHMETIC`'s ``fold_factor``): a decoded code
+    (its E2M1 value times ``2**-126`` in bf16, subnormal for 0.5) times the bf16 factor ``2**(s - 65)`` is
+    exactly the value times ``2**(s - 191)`` for every code and every scale code from 66 to 192."""
+    assert "const u32 h = (s + 62u) << 7;" in bulk.STEP_ARITHMETIC and "mul.rn.bf16x2" in bulk.STEP_ARITHMETIC
+    codes = torch.tensor([_bf16_code(c) for c in range(16)], dtype=torch.float64)
+    decoded = codes.to(torch.bfloat16)
+    assert torch.equal(decoded.double(), codes)  # the decoder's output is exact in bf16
+    for s in range(66, 193):
+        factor = torch.tensor([(s + 62) << 7], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        assert factor.double().item() == 2.0 ** (s - 65)
+        folded = decoded * factor  # bf16 x bf16, rounded to bf16
+        assert torch.equal(folded.double(), codes * 2.0 ** (s - 65)), s
+        assert torch.equal(_bf16_bits(folded.double()), _bf16_bits(codes * 2.0 ** (s - 65)))
+
+
+def test_folded_source_and_shared_layout_agree():
+    """The folded grouped kernel: its defines, the staged rows' region sized by ``staged_tokens``, and the
+    step code (decoding, MMAs, folding) shared with the one-pair kernel's folded family."""
+    layout = grouped.shared_layout(90, 4, 1, 16, 4)
+    src = grouped.kernel_source(90, 4, 1, 16, False, True, False, repacked=True, fold=True, staged_tokens=4)
+    assert all(f"#define {name} {value}\n" in src for name, value in layout.items())
+    assert "#define FOLD 1" in src and "#define NJ 16" in src and "#define NX 4" in src
+    assert layout["SMEM_R"] == layout["SMEM_X"] + 4 * 90 * 64
+    assert layout["SMEM_ZERO"] == layout["SMEM_R"] + 2 * 16 * 4 * 16 * 4
+    one_pair = bulk.kernel_source(90, 4, 1, 1, True, False, repacked=True, fold=True)
+    assert "#define FOLD 1" in one_pair
+    assert bulk.STEP_ARITHMETIC in src and bulk.STEP_ARITHMETIC in one_pair
+    assert bulk.step_defines(True) in src and bulk.step_defines(True) in one_pair
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"fold_scales": True, "tokens_per_chunk": 4}, "a multiple of 8 with fold_scales"),
+    ({"fold_scales": True, "tokens_per_chunk": 8, "staged_tokens": 9}, "staged_tokens must be in"),
+    ({"staged_tokens": -1}, "staged_tokens must be in"),
+])
+def test_bad_folded_tiles_are_refused_before_any_launch(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        grouped.cuda_moe_grouped(*_operands(), **kwargs)
