@@ -333,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
 
 
 FAMILY_TILES = {"block_scaled": {"tokens_per_chunk": 4, "staged_tokens": None, "stages": 1},
-                "folded": {"tokens_per_chunk": 8, "staged_tokens": 0, "stages": 2}}
+                "folded": {"tokens_per_chunk": 8, "staged_tokens": 0, "stages": 1}}
 """The tiles :func:`cuda_moe_grouped` takes per family when its caller gives none (``staged_tokens`` None: all
 of a pass's rows): the best that ``python -m benchmarks.decode_moe`` found on an H100 at gpt-oss-120b's shape
 (``docs/decisions/0029-grouped-decode-moe.md``, ``0030-folded-decode-moe.md``)."""
