@@ -362,20 +362,12 @@ def test_gpt_oss_load_resolves_and_records_its_kernels():
     assert core.describe_kernels()["moe_backend"] == "triton_tc" and core.describe_kernels()["pdl"] is False
 
 
-GROUPED_TILES = ({}, {"tokens_per_chunk": 4}, {"down_pairs": 1, "tokens_per_chunk": 2},
-                 {"tokens_per_chunk": 3, "pairs": 2, "two_per_mma": False},
-                 {"two_per_mma": False}, {"two_per_mma": False, "tokens_per_chunk": 1},
-                 {"tokens_per_chunk": 2, "pairs": 2, "down_pairs": 1, "blocks_per_sm": 2}, {"stages": 2})
+GROUPED_TILES = ({}, {"tokens_per_chunk": 16}, {"pairs": 2}, {"down_pairs": 2, "tokens_per_chunk": 16},
+                 {"pairs": 2, "down_pairs": 1, "blocks_per_sm": 2}, {"blocks_per_sm": 16})
 """Tiles of the grouped kernel that each test runs: none of them may change a row's bits."""
 
-FOLDED_TILES = ({"tokens_per_chunk": 8}, {"tokens_per_chunk": 16}, {"tokens_per_chunk": 8, "staged_tokens": 0},
-                {"tokens_per_chunk": 16, "staged_tokens": 4, "pairs": 2},
-                {"tokens_per_chunk": 8, "pairs": 2, "down_pairs": 1, "blocks_per_sm": 2},
-                {"tokens_per_chunk": 8, "staged_tokens": 0, "stages": 2}, {"tokens_per_chunk": 8, "stages": 2})
-"""The same for the folded family (``fold_scales``: a token in each of an MMA's 8 columns)."""
-
-FAMILIES = {"block_scaled": ({}, GROUPED_TILES), "folded": ({"fold_scales": True}, FOLDED_TILES)}
-"""The two row-exact families of ``hopper_bulk``: the argument that picks one, and the grouped tiles to run."""
+ROW_EXACT = {"fold_scales": True}
+"""The one-pair kernel's row-exact (folded) family, whose rows the grouped kernel reproduces."""
 
 
 def _random_routing(tokens: int, experts: int, hidden: int, seed: int, top_k: int = 4):
@@ -386,19 +378,17 @@ def _random_routing(tokens: int, experts: int, hidden: int, seed: int, top_k: in
     return x, w, ids
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("repacked", [False, True])
-def test_grouped_bulk_rows_are_the_one_pair_kernels_bits(repacked, family):
+def test_grouped_bulk_rows_are_the_one_pair_kernels_bits(repacked):
     """Row-exactness of the grouped decode kernel: at M = 1 ... 256 tokens, with random company (a random
     subset of a pool, so a token's neighbours, their number and the tokens per expert all change), every
-    (token, expert) row is bitwise the one-pair kernel's for that token alone, for every tile setting, in
-    both families; each family's sums are also the fp32 reference's to bf16 accuracy."""
+    (token, expert) row is bitwise the folded one-pair kernel's for that token alone, for every tile setting;
+    the folded sums are the fp32 reference's to bf16 accuracy, as the block-scaled ones are."""
     from replicas.kernels.moe.decode_layout import repack_
     from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
     from replicas.kernels.moe.hopper_grouped import cuda_moe_grouped
     from replicas.kernels.moe.reference import moe_reference
 
-    arithmetic, tile_sets = FAMILIES[family]
     experts = Experts(torch.bfloat16, seed=71)
     packed = [experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.gate_up_proj_bias,
               experts.down_proj_blocks, experts.down_proj_scales, experts.down_proj_bias, 1.702, 7.0]
@@ -406,22 +396,24 @@ def test_grouped_bulk_rows_are_the_one_pair_kernels_bits(repacked, family):
         packed[0], packed[3] = repack_(packed[0].clone()), repack_(packed[3].clone())
     x, w, ids = _random_routing(256, EXPERTS, HIDDEN, seed=12)
     alone = torch.cat([cuda_moe_bulk(x[i:i + 1], w[i:i + 1], ids[i:i + 1], *packed, repacked=repacked,
-                                     **arithmetic) for i in range(256)])
+                                     **ROW_EXACT) for i in range(256)])
     assert alone.abs().max() > 1
     ref = moe_reference(x[:32].float(), w[:32].float(), ids[:32], experts.as_fp32())
-    assert ((alone[:32].sum(1) - ref).abs().max() / ref.abs().max()).item() < 2e-2
+    block_scaled = cuda_moe_bulk(x[:32], w[:32], ids[:32], *packed, repacked=repacked)
+    for out in (alone[:32], block_scaled):
+        assert ((out.sum(1) - ref).abs().max() / ref.abs().max()).item() < 2e-2
     g = torch.Generator(device="cuda").manual_seed(13)
     for m in (1, 2, 3, 7, 16, 17, 64, 100, 256):
         rows = torch.randperm(256, generator=g, device="cuda")[:m]
-        for tiles in tile_sets:
-            out = cuda_moe_grouped(x[rows], w[rows], ids[rows], *packed, repacked=repacked, **arithmetic, **tiles)
+        for tiles in GROUPED_TILES:
+            out = cuda_moe_grouped(x[rows], w[rows], ids[rows], *packed, repacked=repacked, **tiles)
             assert torch.equal(out, alone[rows]), (m, tiles, (out - alone[rows]).abs().max().item())
     # other warps per block: both kernels take them, and the rows stay equal
     for warps, down_warps in ((8, 2), (2, 8)):
         one = torch.cat([cuda_moe_bulk(x[i:i + 1], w[i:i + 1], ids[i:i + 1], *packed, repacked=repacked,
-                                       num_warps=warps, down_num_warps=down_warps, **arithmetic) for i in range(40)])
+                                       num_warps=warps, down_num_warps=down_warps, **ROW_EXACT) for i in range(40)])
         out = cuda_moe_grouped(x[:40], w[:40], ids[:40], *packed, repacked=repacked, num_warps=warps,
-                               down_num_warps=down_warps, **arithmetic, **tile_sets[0])
+                               down_num_warps=down_warps)
         assert torch.equal(out, one), (warps, down_warps)
 
 
@@ -443,8 +435,7 @@ def _small_experts(e: int, hidden: int, inter: int, seed: int):
     return ex
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_grouped_bulk_with_many_experts_small_widths_and_in_a_cuda_graph(family):
+def test_grouped_bulk_with_many_experts_small_widths_and_in_a_cuda_graph():
     """200 experts (the per-block scan over the experts takes several passes), widths 96 and 64 (lanes
     step past a row's end), fp32 routing weights; captured in a CUDA graph at 40 tokens and replayed on new
     tokens and routing: every row bitwise the one-pair kernel's alone, against the fp32 reference too."""
@@ -456,11 +447,10 @@ def test_grouped_bulk_with_many_experts_small_widths_and_in_a_cuda_graph(family)
     ex = _small_experts(e, hidden, inter, seed=14)
     packed = (ex.gate_up_proj_blocks, ex.gate_up_proj_scales, ex.gate_up_proj_bias, ex.down_proj_blocks,
               ex.down_proj_scales, ex.down_proj_bias, 1.702, 7.0)
-    arithmetic, tile_sets = FAMILIES[family]
     x, w, ids = _random_routing(256, e, hidden, seed=15)
     w = w.float()
-    out = cuda_moe_grouped(x, w, ids, *packed, **arithmetic, **tile_sets[0])
-    alone = torch.cat([cuda_moe_bulk(x[i:i + 1], w[i:i + 1], ids[i:i + 1], *packed, **arithmetic)
+    out = cuda_moe_grouped(x, w, ids, *packed)
+    alone = torch.cat([cuda_moe_bulk(x[i:i + 1], w[i:i + 1], ids[i:i + 1], *packed, **ROW_EXACT)
                        for i in range(256)])
     assert torch.equal(out, alone)
     ref = moe_reference(x.float(), w, ids, ex.as_fp32())
@@ -468,45 +458,44 @@ def test_grouped_bulk_with_many_experts_small_widths_and_in_a_cuda_graph(family)
     xs, ws, idss = x[:40].clone(), w[:40].clone(), ids[:40].clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = cuda_moe_grouped(xs, ws, idss, *packed, **arithmetic, **tile_sets[-1])
+        captured = cuda_moe_grouped(xs, ws, idss, *packed, tokens_per_chunk=16)
     for trial in range(3):
         nx, nw, nids = _random_routing(40, e, hidden, seed=20 + trial)
         xs.copy_(nx)
         ws.copy_(nw.float())
         idss.copy_(nids)
         graph.replay()
-        one = torch.cat([cuda_moe_bulk(xs[i:i + 1], ws[i:i + 1], idss[i:i + 1], *packed, **arithmetic)
+        one = torch.cat([cuda_moe_bulk(xs[i:i + 1], ws[i:i + 1], idss[i:i + 1], *packed, **ROW_EXACT)
                          for i in range(40)])
         assert torch.equal(captured, one), trial
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_moe_routes_rows_to_the_grouped_kernel_and_row_exact_rows_to_one_family(family):
-    """:class:`MoE` with ``hopper_bulk`` in each family: calls of 17 to ``GROUPED_UP_TO`` tokens (per family
-    and kind of rows) run the grouped kernel, larger ones the grouped GEMMs; the row-exact path gives every
-    decode row the one-pair kernel's bits at 1, 16, 17, 256 and 300 rows (slices of 256)."""
-    from replicas.kernels.moe import GROUPED_UP_TO, MoE, MoEChoice
+def test_moe_routes_rows_to_the_grouped_kernel_and_row_exact_rows_to_one_family():
+    """:class:`MoE` with ``hopper_bulk``: calls of at most 16 tokens run the block-scaled one-pair kernel,
+    17 to ``GROUPED_DECODE_MAX_TOKENS`` (decode rows or prompt tokens) the grouped kernel, more the grouped
+    GEMMs; the row-exact path gives every decode row the folded one-pair kernel's bits at 1, 16, 17, 256 and
+    300 rows (slices of 256)."""
+    from replicas.kernels.moe import GROUPED_DECODE_MAX_TOKENS, MoE, MoEChoice
     from replicas.kernels.moe.grouped_gemm import experts_partials
     from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
     from replicas.kernels.moe.mma_format import mxfp4_activations
 
-    arithmetic, _ = FAMILIES[family]
     experts = Experts(torch.bfloat16, seed=72)
-    moe = MoE(MoEChoice("hopper_bulk", "grouped_gemm", False, {"fold_scales": int(family == "folded")}), pdl=False)
-    assert moe.choice.family == family and moe.choice.describe()["moe_family"] == family
-    assert moe.row_exact_decode
+    moe = MoE(MoEChoice("hopper_bulk", "grouped_gemm", False), pdl=False)
+    assert moe.row_exact_decode and moe.kernel_max_tokens == GROUPED_DECODE_MAX_TOKENS
     x, w, ids = _random_routing(300, EXPERTS, HIDDEN, seed=16)
     packed = (experts.gate_up_proj_blocks, experts.gate_up_proj_scales, experts.gate_up_proj_bias,
               experts.down_proj_blocks, experts.down_proj_scales, experts.down_proj_bias, 1.702, 7.0)
-    alone = torch.cat([cuda_moe_bulk(x[i:i + 1], w[i:i + 1], ids[i:i + 1], *packed, pdl=False, **arithmetic)
+    alone = torch.cat([cuda_moe_bulk(x[i:i + 1], w[i:i + 1], ids[i:i + 1], *packed, pdl=False, **ROW_EXACT)
                        for i in range(300)])
     for m in (1, 16, 17, 256, 300):
         parts = moe.row_exact_partials(x[:m], w[:m], ids[:m], experts, prefill=False,
                                        x_mxfp4=mxfp4_activations(x[:m]))
         assert torch.equal(parts, alone[:m]), m
+    assert torch.equal(moe.partials(x[:16], w[:16], ids[:16], experts),
+                       cuda_moe_bulk(x[:16], w[:16], ids[:16], *packed, pdl=False))
+    m = GROUPED_DECODE_MAX_TOKENS
     for prefill in (False, True):
-        m = GROUPED_UP_TO[family]["prefill" if prefill else "decode"]
-        assert moe.kernel_max_tokens(prefill) == m
         assert torch.equal(moe.partials(x[:m], w[:m], ids[:m], experts, prefill=prefill), alone[:m])
         n = m + 1  # the grouped GEMMs above
         assert torch.equal(moe.partials(x[:n], w[:n], ids[:n], experts, prefill=prefill),

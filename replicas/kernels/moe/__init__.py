@@ -72,13 +72,6 @@ GROUPED_DECODE_MAX_TOKENS = 256
 ``hopper_bulk``'s :mod:`.hopper_grouped`, 1,024 (token, expert) pairs at top-4); a row-exact decode step
 of more rows runs it on slices of this many rows (rows are independent, so slicing changes no bits)."""
 
-GROUPED_UP_TO = {"block_scaled": {"decode": 64, "prefill": DECODE_MAX_TOKENS},
-                 "folded": {"decode": GROUPED_DECODE_MAX_TOKENS, "prefill": GROUPED_DECODE_MAX_TOKENS}}
-"""Most tokens of a call that the grouped decode kernel serves when rows need not be exact, per family
-(:meth:`.backends.MoEBackend.family`) and kind of rows (decode rows, or prompt tokens); more take the grouped
-GEMMs. The block-scaled grouped kernel runs a token's MMAs alone, so above 64 tokens the GEMMs beat it; the
-folded one puts 8 tokens in each MMA and beats them up to its limit (``decode_moe`` study,
-``docs/decisions/0030-folded-decode-moe.md``)."""
 
 TILE_KEYS = {name: cls.tile_keys for name, cls in MOE_REGISTRY.items()}
 """Tile arguments each built-in backend's kernels take (``moe_tiles`` may set them; the defaults are the
@@ -110,16 +103,10 @@ class MoEChoice:
     tiles: dict[str, int] = field(default_factory=dict)
     reason: str = ""
 
-    @property
-    def family(self) -> str:
-        """The decode kernels' row arithmetic (:meth:`.backends.MoEBackend.family`: ``folded`` or
-        ``block_scaled`` for ``hopper_bulk``)."""
-        return MOE_REGISTRY.get(self.backend).family(self.tiles)
-
     def describe(self) -> dict:
         """A JSON-able record (``/debug/stats``, span attributes)."""
-        return {"moe_backend": self.backend, "moe_family": self.family, "moe_prefill": self.prefill,
-                "moe_repack": self.repack, "moe_tiles": dict(self.tiles), "moe_reason": self.reason}
+        return {"moe_backend": self.backend, "moe_prefill": self.prefill, "moe_repack": self.repack,
+                "moe_tiles": dict(self.tiles), "moe_reason": self.reason}
 
 
 def resolve_moe(requested: str, device: torch.device, dtype: torch.dtype, repack: bool = True,
@@ -184,8 +171,10 @@ class MoE:
     def __init__(self, choice: MoEChoice, pdl: bool = False):
         self.choice = choice
         self._decode = self.backend.load(dict(choice.tiles), repack=choice.repack, pdl=pdl)
-        self._grouped_decode = (self.backend.load_grouped(dict(choice.tiles), repack=choice.repack, pdl=pdl)
-                                if self.backend.grouped_decode else None)
+        self._grouped_decode = self._exact_decode = None
+        if self.backend.grouped_decode:
+            self._grouped_decode = self.backend.load_grouped(dict(choice.tiles), repack=choice.repack, pdl=pdl)
+            self._exact_decode = self.backend.load_row_exact(dict(choice.tiles), repack=choice.repack, pdl=pdl)
         self._dequantize = self._grouped = self._grouped_partials = None
         if choice.prefill in ("prefill_dequantize", "grouped_gemm"):  # the dequantizing path stays the fallback
             from replicas.kernels.moe.prefill_dequantize import triton_dequantize_mxfp4
@@ -207,31 +196,30 @@ class MoE:
         the standard lane's decode graphs may capture batches above :data:`DECODE_MAX_TOKENS`."""
         return self.choice.prefill == "grouped_gemm"
 
-    def kernel_max_tokens(self, prefill: bool = False) -> int:
-        """Most tokens of a call that :meth:`partials` gives the decode kernels (which read activations in the
-        tensor-core format when :attr:`takes_mxfp4_activations`): with a grouped decode kernel,
-        :data:`GROUPED_UP_TO` for the family and the kind of rows (``prefill``: prompt tokens), else
-        :data:`DECODE_MAX_TOKENS`. :meth:`row_exact_partials` gives them every decode step when
-        :attr:`row_exact_decode`."""
-        if self._grouped_decode is None:
-            return DECODE_MAX_TOKENS
-        return GROUPED_UP_TO[self.choice.family]["prefill" if prefill else "decode"]
+    @property
+    def kernel_max_tokens(self) -> int:
+        """Most tokens of a call (decode rows or prompt tokens) that :meth:`partials` gives the decode
+        kernels (which read activations in the tensor-core format when :attr:`takes_mxfp4_activations`):
+        :data:`GROUPED_DECODE_MAX_TOKENS` with a grouped decode kernel, else :data:`DECODE_MAX_TOKENS`.
+        :meth:`row_exact_partials` gives them every decode step when :attr:`row_exact_decode`."""
+        return DECODE_MAX_TOKENS if self._grouped_decode is None else GROUPED_DECODE_MAX_TOKENS
 
     def reads_mxfp4(self, tokens: int, prefill: bool, row_exact: bool) -> bool:
-        """Whether a call of ``tokens`` rows reads the tensor-core activation format (the add + RMSNorm before
-        it then writes it): :attr:`takes_mxfp4_activations`, and the decode kernels serve the call (always for
-        row-exact decode rows with :attr:`row_exact_decode`; else up to :meth:`kernel_max_tokens`)."""
+        """Whether a call of ``tokens`` rows (``prefill``: prompt tokens) reads the tensor-core activation
+        format (the add + RMSNorm before it then writes it): :attr:`takes_mxfp4_activations`, and the decode
+        kernels serve the call (on the row-exact path, ``row_exact``: decode rows with
+        :attr:`row_exact_decode`; else up to :attr:`kernel_max_tokens`)."""
         if not self.takes_mxfp4_activations:
             return False
         if row_exact:
             return not prefill and self.row_exact_decode
-        return tokens <= self.kernel_max_tokens(prefill)
+        return tokens <= self.kernel_max_tokens
 
     @property
     def row_exact_decode(self) -> bool:
-        """Whether decode rows at every count run the backend's own kernels (its one-pair kernel up to
-        :data:`DECODE_MAX_TOKENS` tokens, its grouped kernel above: one row-exact family), rather than the
-        grouped GEMMs at :data:`ROW_EXACT_BLOCK_M` ``["decode"]``."""
+        """Whether row-exact decode rows at every count run the backend's own kernels (its row-exact one-pair
+        kernel up to :data:`DECODE_MAX_TOKENS` tokens, its grouped kernel above: one row-exact family),
+        rather than the grouped GEMMs at :data:`ROW_EXACT_BLOCK_M` ``["decode"]``."""
         return self._grouped_decode is not None
 
     @property
@@ -265,12 +253,12 @@ class MoE:
         """Per routed expert, its weighted output ``[T, K, hidden]`` fp32 (``x`` ``[T, hidden]``, ``weights``
         and ``ids`` ``[T, K]`` on the device), or None where no partials kernel serves ``T`` tokens: up to
         :data:`DECODE_MAX_TOKENS` the decode backend's (if it has one); above it, up to
-        :meth:`kernel_max_tokens` (``prefill``: for prompt tokens), the backend's grouped decode kernel; else
-        the grouped GEMMs (if they are the prefill path). ``x_mxfp4``: ``x`` in the tensor-core format, when
+        :attr:`kernel_max_tokens` decode rows or prompt tokens (``prefill``), the backend's grouped decode
+        kernel; else the grouped GEMMs (if they are the prefill path). ``x_mxfp4``: ``x`` in the tensor-core format, when
         :attr:`takes_mxfp4_activations` and the caller has it (decode kernels only)."""
         extra = {"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}
         if x.shape[0] > DECODE_MAX_TOKENS:
-            if x.shape[0] <= self.kernel_max_tokens(prefill) and self._grouped_decode is not None:
+            if x.shape[0] <= self.kernel_max_tokens and self._grouped_decode is not None:
                 return self._grouped_decode(x, weights, ids, *_packed(experts), **extra)
             return self._grouped_partials(x, weights, ids, experts) if self._grouped_partials else None
         if not self.backend.returns_partials:
@@ -281,7 +269,8 @@ class MoE:
                            prefill: bool, x_mxfp4: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`partials` with each pair's row bitwise independent of the other tokens and of their number:
         ``[T, K, hidden]`` fp32. Decode rows (not ``prefill``) with :attr:`row_exact_decode`: the backend's
-        one-pair kernel up to :data:`DECODE_MAX_TOKENS` tokens, its grouped kernel above (on slices of
+        row-exact one-pair kernel (:meth:`.backends.MoEBackend.load_row_exact`) up to
+        :data:`DECODE_MAX_TOKENS` tokens, its grouped kernel above (on slices of
         :data:`GROUPED_DECODE_MAX_TOKENS` rows); otherwise the grouped GEMMs at every token count with the
         fixed M-block height of :data:`ROW_EXACT_BLOCK_M` (``prefill``: prompt tokens, else decode rows).
 
@@ -289,7 +278,7 @@ class MoE:
             RuntimeError: neither a row-exact decode family nor the grouped GEMMs are available."""
         if not prefill and self.row_exact_decode:
             if x.shape[0] <= DECODE_MAX_TOKENS:
-                return self._decode(x, weights, ids, *_packed(experts),
+                return self._exact_decode(x, weights, ids, *_packed(experts),
                                     **({"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}))
             import torch
 

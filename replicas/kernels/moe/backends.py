@@ -45,9 +45,10 @@ class MoEBackend:
         adds_residual: the kernel takes the residual and returns ``residual + moe(x)`` in ``x.dtype``.
         repacks_experts: the experts are repacked into :mod:`.decode_layout` at load when ``moe_repack``
             holds (its kernel reads that layout).
-        grouped_decode: the backend has a second decode kernel for steps of more tokens than
-            ``DECODE_MAX_TOKENS`` (:meth:`load_grouped`) whose rows are bitwise its one-pair kernel's, so the
-            two are one row-exact family (``docs/exactness.md``).
+        grouped_decode: the backend has a second decode kernel for calls of more tokens than
+            ``DECODE_MAX_TOKENS`` (:meth:`load_grouped`) whose rows are bitwise those of its row-exact
+            one-pair kernel (:meth:`load_row_exact`), so the two are one row-exact family
+            (``docs/exactness.md``).
     """
 
     name: ClassVar[str] = "abstract"
@@ -78,10 +79,10 @@ class MoEBackend:
         return None
 
     @classmethod
-    def family(cls, tiles: dict[str, int]) -> str:
-        """The row arithmetic the backend's decode kernels run with ``tiles`` (shown in ``/debug/stats`` as
-        ``moe_family``); one name for backends with one arithmetic."""
-        return "default"
+    def load_row_exact(cls, tiles: dict[str, int], *, repack: bool, pdl: bool) -> Callable | None:
+        """With :attr:`grouped_decode`: the decode kernel for up to ``DECODE_MAX_TOKENS`` row-exact rows, whose
+        rows the grouped kernel reproduces bit for bit (may differ from :meth:`load`'s, the fastest)."""
+        return None
 
 
 MOE_REGISTRY: Registry[type[MoEBackend]] = Registry("moe_backend", MoEBackend)
@@ -115,15 +116,13 @@ def _nvidia(device: torch.device) -> str | None:
 
 
 GROUPED_TILES = {"grouped_pairs": "pairs", "grouped_down_pairs": "down_pairs",
-                 "grouped_blocks_per_sm": "blocks_per_sm", "grouped_stages": "stages",
-                 "tokens_per_chunk": "tokens_per_chunk", "staged_tokens": "staged_tokens",
-                 "two_per_mma": "two_per_mma"}
+                 "grouped_blocks_per_sm": "blocks_per_sm", "tokens_per_chunk": "tokens_per_chunk"}
 """``hopper_bulk``'s tiles of its grouped decode kernel (``moe_tiles`` key → the argument of
-:func:`~.hopper_grouped.cuda_moe_grouped`); its warps and family are the one-pair kernel's."""
+:func:`~.hopper_grouped.cuda_moe_grouped`); its warps are the one-pair kernel's."""
 
-FAMILY_TILES = ("num_warps", "down_num_warps", "fold_scales")
-"""``hopper_bulk``'s tiles that both its kernels take: they fix a row's arithmetic (the warps split the K
-steps; ``fold_scales`` picks the block-scaled or the folded family), so the two kernels stay one family."""
+WARP_TILES = ("num_warps", "down_num_warps")
+"""``hopper_bulk``'s tiles that all its kernels take: the warps split the K steps and fix the order of a row's
+sums, so the row-exact one-pair kernel and the grouped kernel must have the same."""
 
 
 @MOE_REGISTRY.register("hopper_bulk")
@@ -131,19 +130,11 @@ class HopperBulk(MoEBackend):
     """CUDA C++ through torch's NVRTC, weights bulk-copied to shared memory (:mod:`.hopper_bulk`): NVIDIA
     sm_90+, bf16 models."""
 
-    tile_keys = (*FAMILY_TILES, "pairs", "down_pairs", "stages", "blocks_per_sm", *GROUPED_TILES)
+    tile_keys = (*WARP_TILES, "pairs", "down_pairs", "stages", "blocks_per_sm", *GROUPED_TILES)
     returns_partials = True
     takes_mxfp4_activations = True
     repacks_experts = True
     grouped_decode = True
-    fold_scales_default: ClassVar[bool] = True
-    """The family both kernels run unless ``moe_tiles`` sets ``fold_scales``: the folded one
-    (``docs/decisions/0030-folded-decode-moe.md``)."""
-
-    @classmethod
-    def family(cls, tiles: dict[str, int]) -> str:
-        """``folded`` or ``block_scaled``: the arithmetic both kernels run with ``tiles``."""
-        return "folded" if tiles.get("fold_scales", cls.fold_scales_default) else "block_scaled"
 
     @classmethod
     def why_not(cls, device, dtype):
@@ -167,18 +158,25 @@ class HopperBulk(MoEBackend):
     def load(cls, tiles, *, repack, pdl):
         from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
 
-        own = {k: v for k, v in tiles.items() if k not in GROUPED_TILES}
-        own["fold_scales"] = cls.family(tiles) == "folded"
-        return functools.partial(cuda_moe_bulk, repacked=repack, pdl=pdl, **own)
+        return functools.partial(cuda_moe_bulk, repacked=repack, pdl=pdl,
+                                 **{k: v for k, v in tiles.items() if k not in GROUPED_TILES})
+
+    @classmethod
+    def load_row_exact(cls, tiles, *, repack, pdl):
+        """:func:`~.hopper_bulk.cuda_moe_bulk` in the folded family (``fold_scales``), whose rows the grouped
+        kernel reproduces bit for bit at the same warps."""
+        from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
+
+        return functools.partial(cuda_moe_bulk, repacked=repack, pdl=pdl, fold_scales=True,
+                                 **{k: v for k, v in tiles.items() if k not in GROUPED_TILES})
 
     @classmethod
     def load_grouped(cls, tiles, *, repack, pdl):
-        """:func:`~.hopper_grouped.cuda_moe_grouped` with the one-pair kernel's :data:`FAMILY_TILES` (they
-        fix a row's arithmetic) and the :data:`GROUPED_TILES`."""
+        """:func:`~.hopper_grouped.cuda_moe_grouped` with the one-pair kernel's :data:`WARP_TILES` (they fix
+        the order of a row's sums) and the :data:`GROUPED_TILES`."""
         from replicas.kernels.moe.hopper_grouped import cuda_moe_grouped
 
-        shared = {k: v for k, v in tiles.items() if k in FAMILY_TILES}
-        shared["fold_scales"] = cls.family(tiles) == "folded"
+        shared = {k: v for k, v in tiles.items() if k in WARP_TILES}
         own = {GROUPED_TILES[k]: v for k, v in tiles.items() if k in GROUPED_TILES}
         return functools.partial(cuda_moe_grouped, repacked=repack, pdl=pdl, **shared, **own)
 

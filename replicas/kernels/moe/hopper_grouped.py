@@ -62,7 +62,7 @@ _SOURCE = r"""
 #define NS ((G + 3) / 4)
 #define FULL 0xffffffffu
 
-// This lane's 32 activations (16 bf16 pairs) from shared memory: block g of an x row, or the zero block.
+// This lane's 32 activations (16 bf16 pairs): block g of an x row, or the zero block.
 __device__ __forceinline__ void load_x(u32 (&x)[16], const u8* p) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -71,19 +71,15 @@ __device__ __forceinline__ void load_x(u32 (&x)[16], const u8* p) {
   }
 }
 
-// Block g of chunk row j: from the staged rows in shared memory, or from its row in global memory.
-__device__ __forceinline__ const u8* x_block(bool staged, const u8* xbuf, int j, const u8* row, int g) {
-  return (staged ? xbuf + j * G * 64 : row) + g * 64;
-}
-
 #define X_ROW(pair) (xa + (i64)(GATE_UP ? (pair) / top_k : (pair)) * stride_x_bytes)
 
 // Persistent blocks over the tiles of the experts that have pairs, numbered expert by expert: block b takes
-// the contiguous range [b n / grid, (b + 1) n / grid), so it meets few experts and stages each one's
-// activation rows in shared memory once (the first NJ of them, bulk-copied with the expert's first tile;
-// further chunks are read from global memory).
+// the contiguous range [b n / grid, (b + 1) n / grid), so it meets few experts. Each tile is bulk-copied into
+// shared memory; each warp decodes its K steps once and multiplies them by an expert's tokens 8 at a time
+// (token 8 j8 + r8 in MMA column r8, its activations read from global memory, mostly L2).
 // GATE_UP: rows interleave gate (2j) and up (2j + 1); writes h[pair, mma_position(j)] = swiglu(...) * 2**64
-// (bf16). Else (down): writes out[pair, r] = w_pair * (y + bias). Every token's arithmetic is hopper_bulk's.
+// (bf16). Else (down): writes out[pair, r] = w_pair * (y + bias). Every token's arithmetic is hopper_bulk's
+// folded one-pair kernel's.
 extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
     const u8* __restrict__ xa, const i64* __restrict__ ids, const void* __restrict__ route_w,
     const u8* __restrict__ blocks, const u8* __restrict__ scales, const u16* __restrict__ bias,
@@ -92,16 +88,15 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
   extern __shared__ __align__(128) u8 smem[];
   const int tid = threadIdx.x, lane = tid & 31, kw = tid >> 5, q = lane & 3, r8 = lane >> 2;
   const int tiles_per_expert = nrows_total / ROWS;
-  const u32 base = smem_u32(smem);
+  const u32 base = smem_u32(smem), bar = base;
   int* s_meta = reinterpret_cast<int*>(smem + SMEM_META);     // [0]: experts with pairs
   int* s_cnt = reinterpret_cast<int*>(smem + SMEM_CNT);       // [MAX_EXPERTS] pairs per expert
   int* s_end = reinterpret_cast<int*>(smem + SMEM_END);       // [MAX_EXPERTS] segment starts, then ends
   u16* s_act = reinterpret_cast<u16*>(smem + SMEM_ACT);       // [MAX_EXPERTS] the experts with pairs, ascending
   u16* s_list = reinterpret_cast<u16*>(smem + SMEM_LIST);     // [MAX_PAIRS] pair indices by expert segment
-  // SMEM_STAGE + s * TILE_BYTES: stage s's tile (scales, then packed rows), completing on barrier base + 8 s
-  u8* xbuf = smem + SMEM_X;                                   // [NJ][G * 64] activation rows of one chunk
+  const u8* st = smem + SMEM_STAGE;                           // the tile: scales, then packed rows
   float* red = reinterpret_cast<float*>(smem + SMEM_R);       // [2][NJ][W][ROWS] per-warp row sums
-  if (tid == 0) bars_init(base, S);
+  if (tid == 0) bars_init(base, 1);
   if (tid < 16) reinterpret_cast<u32*>(smem + SMEM_ZERO)[tid] = 0u;  // a block of zero activations
   for (int i = tid; i < n_experts; i += NT) s_cnt[i] = 0;
 #if GATE_UP
@@ -134,37 +129,17 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
   __syncthreads();
   const int n_tiles = s_meta[0] * tiles_per_expert;
   const int t_lo = (int)((i64)blockIdx.x * n_tiles / gridDim.x), t_hi = (int)((i64)(blockIdx.x + 1) * n_tiles / gridDim.x);
-  // thread 0: the tile's scales and rows, and (first tile of an expert) its first NJ activation rows
-// tile t's scales and rows into stage (t - t_lo) % S, whose barrier also expects nx activation rows
-#define ISSUE_W(t, nx)                                                                                    \
+  // thread 0: tile t's scales and rows
+#define ISSUE_W(t)                                                                                        \
   do {                                                                                                    \
     const int e_ = s_act[(t) / tiles_per_expert], r_ = ((t) % tiles_per_expert) * ROWS;                  \
-    const u32 st_ = base + SMEM_STAGE + ((t) - t_lo) % S * TILE_BYTES, bar_ = base + 8 * (((t) - t_lo) % S); \
-    bar_expect(bar_, ROWS * G * 17 + (nx) * G * 64);                                                     \
-    bulk_load(st_, scales + e_ * stride_se + (i64)r_ * G, ROWS * G, bar_);                               \
-    bulk_load(st_ + SCALE_BYTES, blocks + e_ * stride_be + (i64)r_ * ROW_BYTES, ROWS * ROW_BYTES, bar_); \
+    bar_expect(bar, ROWS * G * 17);                                                                       \
+    bulk_load(base + SMEM_STAGE, scales + e_ * stride_se + (i64)r_ * G, ROWS * G, bar);                  \
+    bulk_load(base + SMEM_STAGE + SCALE_BYTES, blocks + e_ * stride_be + (i64)r_ * ROW_BYTES, ROWS * ROW_BYTES, bar); \
   } while (0)
-// the first nx activation rows of tile t's expert (its first tile in this block), on tile t's barrier
-#define ISSUE_X(t, nx)                                                                                    \
-  do {                                                                                                    \
-    const int e_ = s_act[(t) / tiles_per_expert], b_ = s_end[e_] - s_cnt[e_];                            \
-    const u32 bar_ = base + 8 * (((t) - t_lo) % S);                                                      \
-    for (int j_ = 0; j_ < (nx); ++j_) bulk_load(base + SMEM_X + j_ * G * 64, X_ROW(s_list[b_ + j_]), G * 64, bar_); \
-  } while (0)
-#define FIRST_X(t) min(NX, s_cnt[s_act[(t) / tiles_per_expert]])
-#define NEW_EXPERT(t) ((t) == t_lo || s_act[(t) / tiles_per_expert] != s_act[((t) - 1) / tiles_per_expert])
-  if (tid == 0)  // the first S tiles' weights; their rows are copied once the rows before them are done with
-    for (int i = 0; i < S && t_lo + i < t_hi; ++i) ISSUE_W(t_lo + i, NEW_EXPERT(t_lo + i) ? FIRST_X(t_lo + i) : 0);
+  if (tid == 0 && t_lo < t_hi) ISSUE_W(t_lo);
 #if !GATE_UP
   pdl_wait();  // h comes from the launch just before; ids and weights from two launches back
-#endif
-  if (tid == 0 && t_lo < t_hi) ISSUE_X(t_lo, FIRST_X(t_lo));
-#if FOLD
-  // column r8: token r8 of each group of 8, every quad position feeding its block
-#elif TWO
-  const bool supply0 = r8 == 2 * q, supply1 = r8 == 2 * q + 1;  // columns 2q and 2q + 1: two tokens per MMA
-#else
-  const bool supply0 = r8 == 2 * q;  // this lane feeds the MMA's B operand (column 2q)
 #endif
   const u8* zero = smem + SMEM_ZERO;
   int chunk = 0;
@@ -172,16 +147,10 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
     const int e = s_act[t / tiles_per_expert], r0 = (t % tiles_per_expert) * ROWS;
     const int end = s_end[e], begin = end - s_cnt[e];
     const u16* bias_e = bias + (i64)e * stride_bias;
-    const int stage = it % S;
-    const u8* st = smem + SMEM_STAGE + stage * TILE_BYTES;
-    bar_wait(base + 8 * stage, (it / S) & 1);  // the tile, and with an expert's first tile here its first rows
+    bar_wait(bar, it & 1);  // the tile
     for (int c0 = begin; c0 < end; c0 += NJ, ++chunk) {
       const int nj = min(NJ, end - c0);
-      // the expert's first chunk of rows is in shared memory; a further chunk is read from global memory
-      // (L2) by the lanes that supply it, as the rows of a busy expert would not fit
-      const bool staged = c0 == begin;
       float* red_c = red + (chunk & 1) * NJ * W * ROWS;
-#if FOLD
       // lane (r8, q) sums rows a, b of tokens 8 j8 + 2q and 8 j8 + 2q + 1: acc[j8][p][0..3] as mma_step's r
       float acc[NJ / 8][P][4];
 #pragma unroll
@@ -197,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
 #pragma unroll
         for (int j8 = 0; j8 < NJ / 8; ++j8) {
           const int jj = 8 * j8 + r8;
-          load_x(x[j8], g < G && jj < nj ? x_block(staged && jj < NX, xbuf, jj, X_ROW(s_list[c0 + jj]), g) : zero);
+          load_x(x[j8], g < G && jj < nj ? X_ROW(s_list[c0 + jj]) + g * 64 : zero);
         }
 #pragma unroll
         for (int p = 0; p < P; ++p) {
@@ -231,78 +200,10 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
           }
         }
       }
-#else
-      float acc[NJ][2 * P];
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int i = 0; i < 2 * P; ++i) acc[j][i] = 0.f;
-      for (int s = kw; s < NS; s += W) {
-        const int g = 4 * s + q;
-        const int gc = g < G ? g : G - 1;  // past the row's end: a valid block times zero activations
-#pragma unroll
-        for (int p = 0; p < P; ++p) {
-          const int ra = 16 * p + r8, rb = ra + 8;
-          u32 d[32];
-          decode_step(d, *reinterpret_cast<const U4*>(st + SCALE_BYTES + ra * ROW_BYTES + gc * 16),
-                      *reinterpret_cast<const U4*>(st + SCALE_BYTES + rb * ROW_BYTES + gc * 16));
-          const float sa = block_scale(st[ra * G + gc]), sb = block_scale(st[rb * G + gc]);
-#if TWO
-#pragma unroll
-          for (int j = 0; j < NJ; j += 2) {
-            if (j < nj) {
-              u32 x[16];
-              const int jj = supply1 ? j + 1 : j;
-              load_x(x, g < G && (supply0 || supply1) && jj < nj ? x_block(staged && jj < NX, xbuf, jj, X_ROW(s_list[c0 + jj]), g)
-                                                                : zero);
-              float r[4];
-              mma_step(r, d, x);
-              acc[j][2 * p] += r[0] * sa;
-              acc[j][2 * p + 1] += r[2] * sb;
-              if (j + 1 < NJ) {
-                acc[j + 1][2 * p] += r[1] * sa;
-                acc[j + 1][2 * p + 1] += r[3] * sb;
-              }
-            }
-          }
-#else
-#pragma unroll
-          for (int j = 0; j < NJ; ++j) {
-            if (j < nj) {
-              u32 x[16];
-              load_x(x, g < G && supply0 ? x_block(staged && j < NX, xbuf, j, X_ROW(s_list[c0 + j]), g) : zero);
-              float r[4];
-              mma_step(r, d, x);
-              acc[j][2 * p] += r[0] * sa;
-              acc[j][2 * p + 1] += r[2] * sb;
-            }
-          }
-#endif
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        if (j < nj) {
-#pragma unroll
-          for (int p = 0; p < P; ++p) {
-            const float ya = quad_sum(acc[j][2 * p]), yb = quad_sum(acc[j][2 * p + 1]);
-            if (q == 0) {
-              red_c[(j * W + kw) * ROWS + 16 * p + r8] = ya;
-              red_c[(j * W + kw) * ROWS + 16 * p + r8 + 8] = yb;
-            }
-          }
-        }
-      }
-#endif
-      // every warp is done with this chunk (after the last one, with the tile and the x rows); red is
-      // double-buffered, so the next chunk's sums may be written while this one's are being read
+      // every warp is done with this chunk (after the last one, with the tile); red is double-buffered, so
+      // the next chunk's sums may be written while this one's are being read
       __syncthreads();
-      if (tid == 0 && c0 + NJ >= end && t + 1 < t_hi) {
-        const bool new_expert = s_act[(t + 1) / tiles_per_expert] != e;
-        if (S == 1) ISSUE_W(t + 1, new_expert ? FIRST_X(t + 1) : 0);
-        if (new_expert) ISSUE_X(t + 1, FIRST_X(t + 1));  // the rows staged for this tile are done with
-        if (S == 2 && t + 2 < t_hi) ISSUE_W(t + 2, NEW_EXPERT(t + 2) ? FIRST_X(t + 2) : 0);  // this tile's stage
-      }
+      if (tid == 0 && c0 + NJ >= end && t + 1 < t_hi) ISSUE_W(t + 1);
 #if GATE_UP
       for (int u = tid; u < nj * (ROWS / 2); u += NT) {
         const int j = u / (ROWS / 2), i = u % (ROWS / 2), pair = s_list[c0 + j];
@@ -332,22 +233,13 @@ extern "C" __global__ void __launch_bounds__(NT) KERNEL_NAME(
 """
 
 
-FAMILY_TILES = {"block_scaled": {"tokens_per_chunk": 4, "staged_tokens": None, "stages": 1},
-                "folded": {"tokens_per_chunk": 8, "staged_tokens": 0, "stages": 1}}
-"""The tiles :func:`cuda_moe_grouped` takes per family when its caller gives none (``staged_tokens`` None: all
-of a pass's rows): the best that ``python -m benchmarks.decode_moe`` found on an H100 at gpt-oss-120b's shape
-(``docs/decisions/0029-grouped-decode-moe.md``, ``0030-folded-decode-moe.md``)."""
-
-
-def shared_layout(g: int, warps: int, pairs: int, tokens_per_chunk: int, staged_tokens: int | None = None,
-                  stages: int = 1) -> dict[str, int]:
-    """Byte offsets of one block's dynamic shared memory (its ``#define`` values), in order: the stages'
-    barriers from 0, the number of experts with pairs (``SMEM_META``), the per-expert counts (``SMEM_CNT``),
-    segment ends (``SMEM_END``) and the experts with pairs (``SMEM_ACT``), the pair list (``SMEM_LIST``),
-    ``stages`` tiles of ``16 * pairs`` rows of ``g`` blocks (``SMEM_STAGE``, ``TILE_BYTES`` each: scales,
-    128-byte aligned, then the packed rows at ``SCALE_BYTES``), ``staged_tokens`` (None:
-    ``tokens_per_chunk``) activation rows (``SMEM_X``), the per-warp row sums of two chunks of
-    ``tokens_per_chunk`` (``SMEM_R``), one block of zero activations (``SMEM_ZERO``); ``SMEM_BYTES`` in all."""
+def shared_layout(g: int, warps: int, pairs: int, tokens_per_chunk: int) -> dict[str, int]:
+    """Byte offsets of one block's dynamic shared memory (its ``#define`` values), in order: the tile's
+    barrier at 0, the number of experts with pairs (``SMEM_META``), the per-expert counts (``SMEM_CNT``),
+    segment ends (``SMEM_END``) and the experts with pairs (``SMEM_ACT``), the pair list (``SMEM_LIST``), one
+    tile of ``16 * pairs`` rows of ``g`` blocks (``SMEM_STAGE``: scales, 128-byte aligned, then the packed
+    rows at ``SCALE_BYTES``), the per-warp row sums of two chunks of ``tokens_per_chunk`` (``SMEM_R``), one
+    block of zero activations (``SMEM_ZERO``); ``SMEM_BYTES`` in all."""
     rows = 16 * pairs
     row_bytes = g * 16
     scale_bytes = -(-rows * g // 128) * 128
@@ -356,31 +248,23 @@ def shared_layout(g: int, warps: int, pairs: int, tokens_per_chunk: int, staged_
     smem_act = smem_end + 4 * MAX_EXPERTS
     smem_list = smem_act + 2 * MAX_EXPERTS
     smem_stage = -(-(smem_list + 2 * MAX_PAIRS) // 128) * 128
-    tile_bytes = -(-(scale_bytes + rows * row_bytes) // 128) * 128
-    smem_x = smem_stage + stages * tile_bytes
-    staged = tokens_per_chunk if staged_tokens is None else staged_tokens
-    smem_r = smem_x + staged * g * 64
+    smem_r = smem_stage + -(-(scale_bytes + rows * row_bytes) // 128) * 128
     smem_zero = smem_r + 2 * tokens_per_chunk * warps * rows * 4
     return {"ROW_BYTES": row_bytes, "SCALE_BYTES": scale_bytes, "SMEM_META": 128, "SMEM_CNT": smem_cnt,
             "SMEM_END": smem_end, "SMEM_ACT": smem_act, "SMEM_LIST": smem_list, "SMEM_STAGE": smem_stage,
-            "TILE_BYTES": tile_bytes, "SMEM_X": smem_x, "SMEM_R": smem_r, "SMEM_ZERO": smem_zero,
-            "SMEM_BYTES": smem_zero + 64}
+            "SMEM_R": smem_r, "SMEM_ZERO": smem_zero, "SMEM_BYTES": smem_zero + 64}
 
 
-def kernel_source(g: int, warps: int, pairs: int, tokens_per_chunk: int, two: bool, gate_up: bool,
-                  route_f32: bool, repacked: bool = False, fold: bool = False, staged_tokens: int | None = None,
-                  stages: int = 1) -> str:
+def kernel_source(g: int, warps: int, pairs: int, tokens_per_chunk: int, gate_up: bool, route_f32: bool,
+                  repacked: bool = False) -> str:
     """The CUDA C++ of one launch: ``g`` blocks of 32 values per row, ``warps`` per block, ``16 * pairs``
-    rows per tile, ``stages`` (1 or 2) tiles in flight per block, ``tokens_per_chunk`` tokens per pass over a
-    tile, the first ``staged_tokens`` (None: all) of an expert's first pass staged in shared memory
-    (``two``: two tokens per MMA, in its columns ``2q`` and ``2q + 1``), the gate_up or the down launch, fp32
-    (else bf16) routing weights, packed words in the checkpoint's or the decode layout (``repacked``), the
-    block-scaled or the folded family (``fold``: a token in every MMA column, :data:`~.hopper_bulk.STEP_ARITHMETIC`)."""
-    staged = tokens_per_chunk if staged_tokens is None else staged_tokens
-    defines = {"G": g, "W": warps, "P": pairs, "S": stages, "NJ": tokens_per_chunk, "NX": staged, "TWO": int(two),
-               "FOLD": int(fold), "GATE_UP": int(gate_up), "ROUTE_F32": int(route_f32), "KERNEL_NAME": _name(gate_up),
+    rows per tile, ``tokens_per_chunk`` tokens (a multiple of 8) per pass over a tile, the gate_up or the
+    down launch, fp32 (else bf16) routing weights, packed words in the checkpoint's or the decode layout
+    (``repacked``)."""
+    defines = {"G": g, "W": warps, "P": pairs, "NJ": tokens_per_chunk, "GATE_UP": int(gate_up),
+               "ROUTE_F32": int(route_f32), "KERNEL_NAME": _name(gate_up),
                "X_SHIFT": X_SHIFT.value, "X_SCALE": f"{float(2 ** X_SHIFT.value)!r}f"}
-    defines |= shared_layout(g, warps, pairs, tokens_per_chunk, staged, stages)
+    defines |= shared_layout(g, warps, pairs, tokens_per_chunk)
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     return head + step_defines(repacked) + CUDA_PRELUDE + ROW_ARITHMETIC + STEP_ARITHMETIC + _SOURCE
 
@@ -391,12 +275,10 @@ def _name(gate_up: bool) -> str:
 
 
 @functools.cache
-def _kernel(g: int, warps: int, pairs: int, tokens_per_chunk: int, two: bool, gate_up: bool, route_f32: bool,
-            repacked: bool, fold: bool, staged_tokens: int, stages: int) -> CudaKernel:
-    return CudaKernel(kernel_source(g, warps, pairs, tokens_per_chunk, two, gate_up, route_f32, repacked, fold,
-                                    staged_tokens, stages),
-                      _name(gate_up),
-                      shared_layout(g, warps, pairs, tokens_per_chunk, staged_tokens, stages)["SMEM_BYTES"])
+def _kernel(g: int, warps: int, pairs: int, tokens_per_chunk: int, gate_up: bool, route_f32: bool,
+            repacked: bool) -> CudaKernel:
+    return CudaKernel(kernel_source(g, warps, pairs, tokens_per_chunk, gate_up, route_f32, repacked),
+                      _name(gate_up), shared_layout(g, warps, pairs, tokens_per_chunk)["SMEM_BYTES"])
 
 
 def cuda_moe_grouped(
@@ -405,32 +287,20 @@ def cuda_moe_grouped(
     down_blocks: torch.Tensor, down_scales: torch.Tensor, down_bias: torch.Tensor,
     alpha: float, limit: float, x_mxfp4: torch.Tensor | None = None, num_warps: int = 4,
     down_num_warps: int = 4, pairs: int = 1, down_pairs: int = 1, blocks_per_sm: int = 8,
-    tokens_per_chunk: int | None = None, two_per_mma: bool = True, repacked: bool = False, pdl: bool = True,
-    fold_scales: bool = False, staged_tokens: int | None = None, stages: int | None = None,
+    tokens_per_chunk: int = 8, repacked: bool = False, pdl: bool = True,
 ) -> torch.Tensor:
     """Per routed expert, its weighted output: ``[T, K, hidden]`` fp32 (two launches), each (token, expert)
-    pair's row bitwise equal to :func:`~replicas.kernels.moe.hopper_bulk.cuda_moe_bulk`'s for the same
-    ``num_warps`` and ``down_num_warps``.
+    pair's row bitwise equal to :func:`~replicas.kernels.moe.hopper_bulk.cuda_moe_bulk`'s with
+    ``fold_scales`` and the same ``num_warps`` and ``down_num_warps``.
 
     Args:
         x, weights, ids, the packed experts, alpha, limit, x_mxfp4, num_warps, down_num_warps, pairs,
             down_pairs, blocks_per_sm, repacked, pdl: as
             :func:`~replicas.kernels.moe.hopper_bulk.cuda_moe_bulk` (``pairs``: 16-row pairs per tile).
-        tokens_per_chunk, staged_tokens, stages: None takes the family's :data:`FAMILY_TILES`.
-        tokens_per_chunk: tokens of one expert multiplied per pass over its tile (a block makes
-            ``ceil(tokens / tokens_per_chunk)`` passes; the first pass's rows are staged in shared memory);
-            changes speed, never bits.
+        tokens_per_chunk: tokens of one expert multiplied per pass over its tile, a multiple of 8 (a block
+            makes ``ceil(tokens / tokens_per_chunk)`` passes); changes speed, never bits.
         The tile defaults are the best that ``python -m benchmarks.decode_moe`` found on an H100 at
-        gpt-oss-120b's shape for 8 to 64 tokens (``docs/decisions/0029-grouped-decode-moe.md``).
-        two_per_mma: put two tokens in one MMA (columns ``2q`` and ``2q + 1``; the other columns' values
-            do not enter a column's sums); changes speed, never bits.
-        fold_scales: the folded family (:data:`~.hopper_bulk.STEP_ARITHMETIC`): the block scales are
-            multiplied into the decoded weights and each of an MMA's 8 columns carries a token
-            (``tokens_per_chunk`` a multiple of 8, ``two_per_mma`` ignored); each row is then bitwise
-            :func:`~.hopper_bulk.cuda_moe_bulk`'s with ``fold_scales`` and the same warps.
-        staged_tokens: how many of an expert's first ``tokens_per_chunk`` activation rows are staged in
-            shared memory (None: all; the others are read from global memory); changes speed, never bits.
-        stages: tiles whose bulk copies a block keeps in flight (1 or 2); changes speed, never bits.
+        gpt-oss-120b's shape for 1 to 256 tokens (``docs/decisions/0030-folded-decode-moe.md``).
 
     Each block takes a contiguous range of the tiles (numbered expert by expert), so ``blocks_per_sm`` and
     the grid follow :func:`~.hopper_bulk.grid_size` over the most tiles the launch can have.
@@ -440,8 +310,7 @@ def cuda_moe_grouped(
 
     Raises:
         ValueError: as :func:`~replicas.kernels.moe.hopper_bulk.cuda_moe_bulk`, more than :data:`MAX_PAIRS`
-            pairs or :data:`MAX_EXPERTS` experts, or ``tokens_per_chunk`` not a positive (with
-            ``two_per_mma``: even) number.
+            pairs or :data:`MAX_EXPERTS` experts, or ``tokens_per_chunk`` not a positive multiple of 8.
     """
     t, hidden, k, inter = check_packed_moe(x, ids, gate_up_blocks, down_blocks)
     n_experts = gate_up_blocks.shape[0]
@@ -449,27 +318,16 @@ def cuda_moe_grouped(
     if t * k > MAX_PAIRS or n_experts > MAX_EXPERTS:
         raise ValueError(f"{t} tokens x {k} experts of {n_experts}: at most {MAX_PAIRS} (token, expert) pairs "
                          f"and {MAX_EXPERTS} experts per call")
-    defaults = FAMILY_TILES["folded" if fold_scales else "block_scaled"]
-    tokens_per_chunk = defaults["tokens_per_chunk"] if tokens_per_chunk is None else tokens_per_chunk
-    stages = defaults["stages"] if stages is None else stages
-    if staged_tokens is None:
-        staged_tokens = defaults["staged_tokens"] if defaults["staged_tokens"] is not None else tokens_per_chunk
-    if tokens_per_chunk < 1 or (two_per_mma and tokens_per_chunk % 2) or (fold_scales and tokens_per_chunk % 8):
-        raise ValueError(f"tokens_per_chunk must be positive (even with two_per_mma, a multiple of 8 with "
-                         f"fold_scales), got {tokens_per_chunk}")
-    if not 0 <= staged_tokens <= tokens_per_chunk:
-        raise ValueError(f"staged_tokens must be in [0, tokens_per_chunk={tokens_per_chunk}], got {staged_tokens}")
-    if stages not in (1, 2):
-        raise ValueError(f"stages must be 1 or 2, got {stages}")
-    two_per_mma = two_per_mma and not fold_scales
+    if tokens_per_chunk < 8 or tokens_per_chunk % 8:
+        raise ValueError(f"tokens_per_chunk must be a positive multiple of 8, got {tokens_per_chunk}")
     sms, limit_bytes, smem_per_sm = _device_limits(x.device)
     layouts = {}
     for gate_up, g, w, p in ((True, hidden // BLOCK_SIZE, num_warps, pairs),
                              (False, inter // BLOCK_SIZE, down_num_warps, down_pairs)):
-        layouts[gate_up] = shared_layout(g, w, p, tokens_per_chunk, staged_tokens, stages)["SMEM_BYTES"]
+        layouts[gate_up] = shared_layout(g, w, p, tokens_per_chunk)["SMEM_BYTES"]
         if layouts[gate_up] > limit_bytes:
-            raise ValueError(f"{stages} tiles of {16 * p} rows x {g} blocks and {staged_tokens} activation rows need "
-                             f"{layouts[gate_up]} bytes of shared memory; a block may have {limit_bytes}")
+            raise ValueError(f"a tile of {16 * p} rows x {g} blocks needs {layouts[gate_up]} bytes of shared "
+                             f"memory; a block may have {limit_bytes}")
     x_mxfp4, weights, ids = launch_operands(x, weights, ids, x_mxfp4)
     launch_pdl = "launch_pdl" in pdl_args(x, pdl)
     n_pairs = t * k
@@ -477,8 +335,7 @@ def cuda_moe_grouped(
     i64, i32, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
     h = torch.empty(n_pairs, inter, dtype=torch.bfloat16, device=x.device)
     tiles = most_experts * 2 * inter // (16 * pairs)
-    _kernel(hidden // BLOCK_SIZE, num_warps, pairs, tokens_per_chunk, two_per_mma, True, False, repacked,
-            fold_scales, staged_tokens, stages)(
+    _kernel(hidden // BLOCK_SIZE, num_warps, pairs, tokens_per_chunk, True, False, repacked)(
         (grid_size(tiles, sms, blocks_per_sm, layouts[True], smem_per_sm, 32 * num_warps), 1, 1), 32 * num_warps,
         [x_mxfp4, ids, weights, gate_up_blocks, gate_up_scales, gate_up_bias, h,
          i64(gate_up_blocks.stride(0)), i64(gate_up_scales.stride(0)), i64(gate_up_bias.stride(0)),
@@ -487,8 +344,8 @@ def cuda_moe_grouped(
         pdl=launch_pdl)
     out = torch.empty(t, k, hidden, dtype=torch.float32, device=x.device)
     tiles = most_experts * hidden // (16 * down_pairs)
-    _kernel(inter // BLOCK_SIZE, down_num_warps, down_pairs, tokens_per_chunk, two_per_mma, False,
-            weights.dtype == torch.float32, repacked, fold_scales, staged_tokens, stages)(
+    _kernel(inter // BLOCK_SIZE, down_num_warps, down_pairs, tokens_per_chunk, False,
+            weights.dtype == torch.float32, repacked)(
         (grid_size(tiles, sms, blocks_per_sm, layouts[False], smem_per_sm, 32 * down_num_warps), 1, 1),
         32 * down_num_warps,
         [h, ids, weights, down_blocks, down_scales, down_bias, out,

@@ -46,21 +46,23 @@ def test_split_decoding_gives_the_one_pair_kernels_operands(repacked):
 
 
 def test_source_and_shared_layout_agree():
-    layout = grouped.shared_layout(90, 4, 2, 8)
-    src = grouped.kernel_source(90, 4, 2, 8, True, False, True, repacked=True)
+    layout = grouped.shared_layout(90, 4, 2, 16)
+    src = grouped.kernel_source(90, 4, 2, 16, False, True, repacked=True)
     assert all(f"#define {name} {value}\n" in src for name, value in layout.items())
-    assert "#define TWO 1" in src and "#define GATE_UP 0" in src and "#define NJ 8" in src
-    # a row's sums and epilogue are the one-pair kernel's own code, not a copy of it
-    assert bulk.ROW_ARITHMETIC in src and bulk.ROW_ARITHMETIC in bulk.kernel_source(90, 4, 1, 1, True, False)
-    assert "swiglu_h(" in src.split(bulk.ROW_ARITHMETIC, 1)[1] and "quad_sum(" in src.split(bulk.ROW_ARITHMETIC, 1)[1]
+    assert "#define GATE_UP 0" in src and "#define NJ 16" in src
+    # a row's sums, epilogue and step code are the one-pair kernel's own code, not a copy of it
+    one_pair = bulk.kernel_source(90, 4, 1, 1, True, False, repacked=True, fold=True)
+    assert "#define FOLD 1" in one_pair
+    for shared in (bulk.ROW_ARITHMETIC, bulk.STEP_ARITHMETIC, bulk.step_defines(True)):
+        assert shared in src and shared in one_pair
+    assert "swiglu_h(" in src.split(bulk.STEP_ARITHMETIC, 1)[1] and "fold_scales(" in src.split(bulk.STEP_ARITHMETIC, 1)[1]
     assert "$" not in src.split("#define DECODE_LO", 1)[1].split("typedef", 1)[0]  # CUDA operands are %N
-    # regions in order, none overlapping: the pair list, the tile (128-byte aligned), the activation rows,
-    # two chunks of sums, the zero block
+    # regions in order, none overlapping: the pair list, the tile (128-byte aligned), two chunks of sums,
+    # the zero block
     assert layout["SMEM_LIST"] + 2 * grouped.MAX_PAIRS <= layout["SMEM_STAGE"]
-    assert layout["SMEM_STAGE"] % 128 == 0 and layout["SMEM_X"] % 128 == 0
-    assert layout["SMEM_X"] - layout["SMEM_STAGE"] >= 32 * 90 * 17
-    assert layout["SMEM_R"] == layout["SMEM_X"] + 8 * 90 * 64
-    assert layout["SMEM_ZERO"] == layout["SMEM_R"] + 2 * 8 * 4 * 32 * 4 == layout["SMEM_BYTES"] - 64
+    assert layout["SMEM_STAGE"] % 128 == 0 and layout["SMEM_R"] % 128 == 0
+    assert layout["SMEM_R"] - layout["SMEM_STAGE"] >= 32 * 90 * 17
+    assert layout["SMEM_ZERO"] == layout["SMEM_R"] + 2 * 16 * 4 * 32 * 4 == layout["SMEM_BYTES"] - 64
 
 
 @pytest.mark.parametrize("kwargs,operands,match", [
@@ -68,8 +70,8 @@ def test_source_and_shared_layout_agree():
     ({"pairs": 3}, {}, "16 \\* pairs must divide"),
     ({}, {"t": 257}, "at most 1024"),
     ({}, {"experts": 257}, "of 257: at most"),
-    ({"tokens_per_chunk": 3}, {}, "even with two_per_mma"),
-    ({"tokens_per_chunk": 0}, {}, "tokens_per_chunk must be positive"),
+    ({"tokens_per_chunk": 4}, {}, "a positive multiple of 8"),
+    ({"tokens_per_chunk": 0}, {}, "a positive multiple of 8"),
 ])
 def test_bad_operands_are_refused_before_any_launch(kwargs, operands, match):
     with pytest.raises(ValueError, match=match):
@@ -94,28 +96,3 @@ def test_folding_the_block_scale_into_a_decoded_code_is_exact():
         folded = decoded * factor  # bf16 x bf16, rounded to bf16
         assert torch.equal(folded.double(), codes * 2.0 ** (s - 65)), s
         assert torch.equal(_bf16_bits(folded.double()), _bf16_bits(codes * 2.0 ** (s - 65)))
-
-
-def test_folded_source_and_shared_layout_agree():
-    """The folded grouped kernel: its defines, the staged rows' region sized by ``staged_tokens``, and the
-    step code (decoding, MMAs, folding) shared with the one-pair kernel's folded family."""
-    layout = grouped.shared_layout(90, 4, 1, 16, 4)
-    src = grouped.kernel_source(90, 4, 1, 16, False, True, False, repacked=True, fold=True, staged_tokens=4)
-    assert all(f"#define {name} {value}\n" in src for name, value in layout.items())
-    assert "#define FOLD 1" in src and "#define NJ 16" in src and "#define NX 4" in src
-    assert layout["SMEM_R"] == layout["SMEM_X"] + 4 * 90 * 64
-    assert layout["SMEM_ZERO"] == layout["SMEM_R"] + 2 * 16 * 4 * 16 * 4
-    one_pair = bulk.kernel_source(90, 4, 1, 1, True, False, repacked=True, fold=True)
-    assert "#define FOLD 1" in one_pair
-    assert bulk.STEP_ARITHMETIC in src and bulk.STEP_ARITHMETIC in one_pair
-    assert bulk.step_defines(True) in src and bulk.step_defines(True) in one_pair
-
-
-@pytest.mark.parametrize("kwargs,match", [
-    ({"fold_scales": True, "tokens_per_chunk": 4}, "a multiple of 8 with fold_scales"),
-    ({"fold_scales": True, "tokens_per_chunk": 8, "staged_tokens": 9}, "staged_tokens must be in"),
-    ({"staged_tokens": -1}, "staged_tokens must be in"),
-])
-def test_bad_folded_tiles_are_refused_before_any_launch(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        grouped.cuda_moe_grouped(*_operands(), **kwargs)

@@ -58,7 +58,7 @@ def test_the_engine_config_refuses_unknown_backends_and_the_load_refuses_unrunna
         DecodeOps.build("cpu", torch.float32, moe_backend="hopper_bulk")
     ops = DecodeOps.build("cpu", torch.float32, moe_backend="auto")
     assert ops.describe() == {"decode_kernels": "torch", "pdl": False, "prefill_kernels": False,
-                              "batch_invariant": False, "moe_backend": "reference", "moe_family": "default",
+                              "batch_invariant": False, "moe_backend": "reference",
                               "moe_prefill": "reference", "moe_repack": False, "moe_tiles": {},
                               "moe_reason": "auto"}
     assert DecodeOps.build("cpu", torch.float32).moe is None  # dense models: no MoE
@@ -86,18 +86,19 @@ def test_repack_runs_only_when_the_choice_says_so_and_the_reference_reads_both_l
         repack_(experts.gate_up_proj_blocks.float())
 
 
-def test_hopper_bulk_binds_one_family_and_its_warps_to_both_kernels():
-    """``fold_scales`` and the warps fix a row's arithmetic: the one-pair and the grouped kernel get the same
-    ones from ``moe_tiles`` (the folded family unless it says otherwise), and the choice records the family."""
+def test_hopper_bulk_binds_the_same_warps_to_its_row_exact_kernels():
+    """The warps fix the order of a row's sums: the row-exact (folded) one-pair kernel and the grouped kernel
+    get the same ones from ``moe_tiles``; the fastest one-pair kernel (block-scaled) gets the same tiles
+    without the grouped kernel's."""
     from replicas.kernels.moe.backends import HopperBulk
 
-    for tiles, family in (({}, "folded"), ({"fold_scales": 0}, "block_scaled"),
-                          ({"fold_scales": 1, "num_warps": 8, "tokens_per_chunk": 16}, "folded")):
-        assert HopperBulk.family(tiles) == family
-        assert MoEChoice("hopper_bulk", "grouped_gemm", True, tiles).describe()["moe_family"] == family
-        one = HopperBulk.load(tiles, repack=True, pdl=False)
+    for tiles in ({}, {"num_warps": 8, "down_num_warps": 2, "pairs": 2, "tokens_per_chunk": 16}):
+        fast = HopperBulk.load(tiles, repack=True, pdl=False)
+        exact = HopperBulk.load_row_exact(tiles, repack=True, pdl=False)
         grouped = HopperBulk.load_grouped(tiles, repack=True, pdl=False)
-        assert one.keywords["fold_scales"] == grouped.keywords["fold_scales"] == (family == "folded")
-        assert one.keywords.get("num_warps") == grouped.keywords.get("num_warps") == tiles.get("num_warps")
-        assert "tokens_per_chunk" not in one.keywords
+        assert "fold_scales" not in fast.keywords and exact.keywords["fold_scales"] is True
+        for key in ("num_warps", "down_num_warps"):
+            assert fast.keywords.get(key) == exact.keywords.get(key) == grouped.keywords.get(key) == tiles.get(key)
+        assert fast.keywords.get("pairs") == exact.keywords.get("pairs") == tiles.get("pairs")
+        assert "tokens_per_chunk" not in fast.keywords
         assert grouped.keywords.get("tokens_per_chunk") == tiles.get("tokens_per_chunk")
