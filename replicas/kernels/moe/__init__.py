@@ -17,8 +17,10 @@ name                runs on                                        file
 ``reference``       anywhere (the CPU path)                        :mod:`.reference`
 =================== ============================================== ==========================
 
-``auto`` takes the first of these that runs here. More tokens than :data:`DECODE_MAX_TOKENS` (prefill,
-large standard-lane batches) take the prefill path, also chosen once (:attr:`MoEChoice.prefill`):
+``auto`` takes the first of these that runs here. A backend with a grouped decode kernel (``hopper_bulk``)
+serves calls of up to :data:`GROUPED_DECODE_MAX_TOKENS` tokens with it, decode rows and prompt tokens alike
+(:meth:`MoE.partials`). More tokens than that (than :data:`DECODE_MAX_TOKENS` on other backends) take the
+prefill path, also chosen once (:attr:`MoEChoice.prefill`):
 
 - ``grouped_gemm`` (a GPU with Triton and the engine config's ``prefill_kernels``): token-expert pairs
   grouped by expert on the device, tensor-core GEMMs with E2M1 decoded in the kernel, bias and clamped
@@ -69,7 +71,8 @@ experts per (token, expert) pair, and the standard lane's decode graphs stop the
 
 GROUPED_DECODE_MAX_TOKENS = 256
 """Most tokens per call of a backend's grouped decode kernel (:attr:`.backends.MoEBackend.grouped_decode`:
-``hopper_bulk``'s :mod:`.hopper_grouped`, 1,024 (token, expert) pairs at top-4); a row-exact decode step
+``hopper_bulk``'s :mod:`.hopper_grouped`, 1,024 (token, expert) pairs at top-4). Up to this many tokens it
+beats the grouped GEMMs (``decode_moe`` study; level with them at 256 on an H100); a row-exact decode step
 of more rows runs it on slices of this many rows (rows are independent, so slicing changes no bits)."""
 
 

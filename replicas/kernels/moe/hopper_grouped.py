@@ -1,30 +1,30 @@
-"""MXFP4 MoE for decode steps of many tokens: each expert tile is read and decoded once for all its tokens,
-with each token's arithmetic exactly that of :mod:`replicas.kernels.moe.hopper_bulk` (CUDA C++, Hopper).
+"""MXFP4 MoE for calls of many tokens: each expert tile is read and decoded once for all its tokens, with each
+token's arithmetic exactly that of :mod:`replicas.kernels.moe.hopper_bulk`'s folded family (CUDA C++, Hopper).
 
 :mod:`.hopper_bulk` computes every (token, expert) pair alone: a block bulk-copies one tile of the pair's
 expert into shared memory, decodes its E2M1 codes and multiplies them with the token's activations on the
 tensor cores. Its tile shape, warps and the order of the K steps come from the config, never from the pair
 count, so a pair's result does not depend on the other pairs of the launch. But an expert routed to by
-eight tokens is read and decoded eight times, which is why above a few tokens per expert it loses to the
-grouped GEMMs.
+eight tokens is read and decoded eight times.
 
 Here a block takes one tile of one *expert*: it bulk-copies the tile once, and each warp decodes each of
-its K steps once and multiplies the decoded step by the activations of every token routed to that expert
-(``tokens_per_chunk`` at a time), with the same MMA sequence, the same two accumulator chains, the same
-per-block scaling, the same lane-quad and cross-warp sums and the same epilogue as the one-pair kernel (the
-helpers of :data:`~.hopper_bulk.ROW_ARITHMETIC` are the same code in both).
-Each token's sums are therefore the one-pair kernel's, bit for bit, whatever the number of tokens, their
+its K steps once, multiplies the decoded pairs by their rows' block scales (the folded family,
+:data:`~.hopper_bulk.STEP_ARITHMETIC`: exact), and runs the step's MMAs once per 8 of the expert's tokens,
+token ``8 j + n`` in MMA column ``n``; a lane feeds its column's token, reading that token's activations
+from global memory (mostly L2). Each token's sums are the same MMA chains, the same cross-warp sum and the
+same epilogue as the folded one-pair kernel's with its token in column 0 (the step code and
+:data:`~.hopper_bulk.ROW_ARITHMETIC` are the same code in both, and an MMA column's sums depend only on its
+own token), so every row is the one-pair kernel's, bit for bit, whatever the number of tokens, their
 company and their order, as long as both launches use the same warps per block (the warps split the K steps
-and their partial sums are added in warp order); the rows per tile may differ (rows never mix). This makes
-the two kernels one row-exact family for decode (``docs/exactness.md``); ``tests/gpu`` checks the bits.
+and their partial sums are added in warp order); rows per tile and tokens per pass may differ. This makes
+the two one row-exact family for decode (``docs/exactness.md``); ``tests/gpu`` checks the bits.
 
 Every block finds the experts' tokens itself: it counts the pairs per expert in shared memory, scans the
 counts (one warp) into the list of experts with tokens and places each pair's index in its expert's
 segment. Tiles are numbered over the experts with tokens only, expert by expert, so a launch reads each
-routed expert once and no other; each persistent block takes a contiguous range of them, so it meets one
-or two experts and copies each one's first ``tokens_per_chunk`` activation rows into shared memory once,
-with that expert's first tile; the lanes that supply the MMA's B operand read them from there, as the
-one-pair kernel reads its one row, and read a busy expert's further rows from global memory (L2).
+routed expert once and no other; each persistent block takes a contiguous range of them.
+``docs/decisions/0030-folded-decode-moe.md`` has the measurements, and the variants that lost (the
+block-scaled grouped kernel of decision 0029, activation rows staged in shared memory, two tiles in flight).
 
 Inputs, outputs and numerics: :func:`~replicas.kernels.moe.hopper_bulk.cuda_moe_bulk`'s. NVIDIA sm_90+ only.
 """
