@@ -19,7 +19,9 @@ and the integer pipe), which is what the repacked layout
 and ``0017-decode-layout-repack.md`` have the measurements.
 
 Same inputs, outputs and numerics as :func:`~replicas.kernels.moe.triton_tc.triton_moe_tc`
-(activations in its MMA format, times 2**64; fp32 sums; ``h`` rounded to bf16).
+(activations in its MMA format, times 2**64; fp32 sums; ``h`` rounded to bf16). With ``fold_scales`` the
+same kernel runs the *folded* family instead (:data:`STEP_ARITHMETIC`: each block scale multiplied into the
+decoded weights before the MMA, exactly), whose rows :mod:`.hopper_grouped` reproduces at any token count.
 The down launch issues its weight copies before waiting on the gate_up launch
 (programmatic dependent launch: expert ids come from two launches back), so its
 weights stream in while gate_up finishes.
@@ -135,8 +137,8 @@ __device__ __forceinline__ void fold_scales(u32 (&d)[32], u32 sa, u32 sb) {
   }
 }
 """
-"""The per-step arithmetic the grouped kernel runs in both families and the one-pair kernel runs in the folded
-family (``FOLD``): decoding a step's A registers once (``DECODE_LO`` / ``DECODE_HI``:
+"""The folded family's per-step arithmetic, which :mod:`.hopper_grouped`'s grouped kernel and the one-pair kernel
+with ``FOLD`` share: decoding a step's A registers once (``DECODE_LO`` / ``DECODE_HI``:
 :func:`~.mma_format.decode_asm`), the step's 8 MMAs on two chains (:func:`~.mma_format.mma_asm`'s order), and
 the folded family's scaling of the decoded weights.
 
@@ -486,8 +488,9 @@ def cuda_moe_bulk(
             (:func:`~replicas.kernels.moe.decode_layout.repack_`), which decodes in fewer instructions.
         fold_scales: the folded family (:data:`STEP_ARITHMETIC`: block scales multiplied into the decoded
             weights, the token in MMA column 0): a row's bits are then those of
-            :func:`~.hopper_grouped.cuda_moe_grouped` with ``fold_scales`` and the same warps. Else the
-            block-scaled family (each lane quad's block in its own MMA column, scaled after the MMA).
+            :func:`~.hopper_grouped.cuda_moe_grouped` at the same warps (the row-exact family). Else the
+            block-scaled family (each lane quad's block in its own MMA column, scaled after the MMA; about
+            1 µs per layer faster at one token, ``docs/decisions/0030-folded-decode-moe.md``).
         The tile defaults are the best that ``python -m benchmarks.kernels --kernels hopper_bulk`` found on an H200
         at gpt-oss-120b's shape (``docs/decisions/0018-bulk-moe-grid-and-tiles.md``).
 
