@@ -102,3 +102,22 @@ def test_hopper_bulk_binds_the_same_warps_to_its_row_exact_kernels():
         assert fast.keywords.get("pairs") == exact.keywords.get("pairs") == tiles.get("pairs")
         assert "tokens_per_chunk" not in fast.keywords
         assert grouped.keywords.get("tokens_per_chunk") == tiles.get("tokens_per_chunk")
+
+
+def test_where_hopper_bulk_kernels_serve_and_read_the_activation_format():
+    """With ``hopper_bulk`` (its kernels bound, not launched: they need an NVIDIA GPU), calls of up to 256 tokens,
+    decode rows or prompt tokens, run its own kernels and so read the tensor-core activation format; the
+    row-exact path gives them every decode row and no prompt token. A backend without a grouped kernel
+    stops at 16 tokens."""
+    from replicas.kernels.moe import DECODE_MAX_TOKENS, GROUPED_DECODE_MAX_TOKENS
+
+    moe = MoE(MoEChoice("hopper_bulk", "grouped_gemm", True))
+    assert moe.row_exact_decode and moe.kernel_max_tokens == GROUPED_DECODE_MAX_TOKENS == 256
+    for prefill in (False, True):
+        assert all(moe.reads_mxfp4(t, prefill, row_exact=False) for t in (1, 16, 17, 256))
+        assert not moe.reads_mxfp4(257, prefill, row_exact=False)
+    assert moe.reads_mxfp4(1, False, row_exact=True) and moe.reads_mxfp4(1000, False, row_exact=True)
+    assert not moe.reads_mxfp4(1, True, row_exact=True)  # prompt tokens: the grouped GEMMs at height 64
+    tc = MoE(MoEChoice("triton_tc", "grouped_gemm", False))
+    assert not tc.row_exact_decode and tc.kernel_max_tokens == DECODE_MAX_TOKENS
+    assert tc.reads_mxfp4(16, True, row_exact=False) and not tc.reads_mxfp4(17, False, row_exact=False)
