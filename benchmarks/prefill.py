@@ -886,7 +886,7 @@ def main(argv: list[str] | None = None) -> Report | None:
     p.add_argument("--tflops", type=float, default=790.0, help="dense bf16 TFLOP/s for the floors (H200, measured)")
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                    help="engine config field for the model parts (repeatable; numbers, booleans and JSON objects "
-                        "are parsed), e.g. batch_invariant=true or moe_tiles='{\"fold_scales\": 1}'")
+                        "are parsed), e.g. batch_invariant=true or moe_tiles='{\"tokens_per_chunk\": 16}'")
     p.add_argument("--concurrency", type=lambda v: tuple(int(c) for c in v.split(",")), default=None,
                    help="the standard-lane sweep's concurrencies, comma-separated (default 1,8,16,64,256; the KV "
                         "cache is sized for the largest: on an 80 GB card gpt-oss-120b fits up to 64)")

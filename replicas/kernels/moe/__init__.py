@@ -261,7 +261,7 @@ class MoE:
         :attr:`takes_mxfp4_activations` and the caller has it (decode kernels only)."""
         extra = {"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}
         if x.shape[0] > DECODE_MAX_TOKENS:
-            if x.shape[0] <= self.kernel_max_tokens and self._grouped_decode is not None:
+            if x.shape[0] <= self.kernel_max_tokens:  # only a grouped decode kernel serves more than 16
                 return self._grouped_decode(x, weights, ids, *_packed(experts), **extra)
             return self._grouped_partials(x, weights, ids, experts) if self._grouped_partials else None
         if not self.backend.returns_partials:

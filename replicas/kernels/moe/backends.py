@@ -165,10 +165,7 @@ class HopperBulk(MoEBackend):
     def load_row_exact(cls, tiles, *, repack, pdl):
         """:func:`~.hopper_bulk.cuda_moe_bulk` in the folded family (``fold_scales``), whose rows the grouped
         kernel reproduces bit for bit at the same warps."""
-        from replicas.kernels.moe.hopper_bulk import cuda_moe_bulk
-
-        return functools.partial(cuda_moe_bulk, repacked=repack, pdl=pdl, fold_scales=True,
-                                 **{k: v for k, v in tiles.items() if k not in GROUPED_TILES})
+        return functools.partial(cls.load(tiles, repack=repack, pdl=pdl), fold_scales=True)
 
     @classmethod
     def load_grouped(cls, tiles, *, repack, pdl):
