@@ -71,6 +71,7 @@ class Settings:
     moe_tokens = (1, 8, 16, 64, 256, 1024, 8192)  # 8 and 256: the standard lane's c=8 and c=256 decode steps
     prompts = (128, 1024, 8192)
     profile_prompts = (128, 1024)
+    profile_concurrency = (1, 8, 64, 256)  # the sweep's decode steps profiled
     warm_prompts = (16, 128, 300, 500, 1000, 2000, 8192)  # the decode MoE kernels (<= 16 tokens), every grouped
     # block height and both attention variants: the first call of each compiles (NVRTC for hopper_bulk)
     concurrency = (1, 8, 16, 64, 256)
@@ -87,7 +88,7 @@ class Settings:
     def make_smoke(cls) -> None:
         cls.device, cls.dtype, cls.smoke = "cpu", torch.float32, True
         cls.tokens, cls.prompts, cls.warm_prompts, cls.concurrency = (1, 16, 40), (16, 40), (40,), (1, 3)
-        cls.profile_prompts = (40,)
+        cls.profile_prompts, cls.profile_concurrency = (40,), (3,)
         cls.moe_tokens = cls.tokens
         cls.sweep_prompt, cls.repeat_prompt = 24, 40
         cls.heads, cls.moe, cls.check_experts, cls.moe_check_tokens = (8, 2, 16), (8, 64, 64, 2), 8, (1, 9)
@@ -498,18 +499,12 @@ def ttft_standard(core, prompt: list[int]) -> float:
     return ms
 
 
-def profile_prefill(core, prompt: list[int], top: int = 14) -> tuple[float, float, list[list]]:
-    """One standard-lane prefill of ``prompt`` under ``torch.profiler``: ``(wall ms, GPU busy ms, rows)``, rows
-    ``[kernel, launches, ms, share of busy]`` for the ``top`` kernels by GPU time (the rest summed in one
-    row). Busy time is the sum of the kernels' durations: well below the wall time, the forward is bound by
-    the host (Python and launches), close to it, by the GPU."""
+def _kernel_rows(prof, top: int) -> tuple[float, list[list]]:
+    """The CUDA kernels a ``torch.profiler`` run recorded: ``(GPU busy ms, rows)``, rows ``[kernel, launches, ms,
+    share of busy]`` for the ``top`` kernels by GPU time (the rest summed in one row). Busy time is the sum of the
+    kernels' durations."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if S.device == "cuda" else [])
-    with profile(activities=acts) as prof:
-        wall = ttft_standard(core, prompt)
-        sync()
     per: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
@@ -524,6 +519,23 @@ def profile_prefill(core, prompt: list[int], top: int = 14) -> tuple[float, floa
     if rest:
         ms = sum(v[1] for _, v in rest)
         rows.append([f"({len(rest)} other kernels)", int(sum(v[0] for _, v in rest)), ms, ms / busy if busy else 0.0])
+    return busy, rows
+
+
+def _profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if S.device == "cuda" else []))
+
+
+def profile_prefill(core, prompt: list[int], top: int = 14) -> tuple[float, float, list[list]]:
+    """One standard-lane prefill of ``prompt`` under ``torch.profiler``: ``(wall ms, GPU busy ms, rows)`` (rows as
+    :func:`_kernel_rows`). Busy well below the wall time: the forward is bound by the host (Python and launches);
+    close to it, by the GPU."""
+    with _profiler() as prof:
+        wall = ttft_standard(core, prompt)
+        sync()
+    busy, rows = _kernel_rows(prof, top)
     return wall, busy, rows
 
 
@@ -646,6 +658,14 @@ def _sweep(rep: Report, args, core, shape: str = "gpt-oss-120b", invariant: bool
             rep.study("standard_sweep", [{"shape": shape, "concurrency": c, "decode_step_ms": r[4],
                                           "step_floor_ms": r[5], "output_tok_s": r[1], "itl_median_ms": r[2],
                                           "batch_invariant": invariant}])
+            prof = _profile_decode(rep, core, c, steps) if c in S.profile_concurrency else None
+            if prof:
+                rep.table(f"Where a {c}-row decode step's GPU time goes, {shape} (standard lane, CUDA graph replay, "
+                          "under the profiler)", ["kernel", "launches per step", "ms per step", "share of GPU busy"],
+                          prof["rows"], f"{prof['steps']} full decode steps profiled; GPU busy {prof['busy_ms']:.2f} ms "
+                          f"per step (sum of kernel durations) against a median step of {r[4]:.2f} ms unprofiled: "
+                          "the difference is time the GPU sat idle within the step (launch gaps, host work, "
+                          "the token read).")
     finally:
         core.runner.execute = execute
     failed = sorted(graphs._failed) if graphs else None
@@ -690,6 +710,44 @@ def _sweep_one(core, c: int, args, steps: list) -> list:
     assert core.allocator.num_free == core.allocator.num_blocks
     return [c, c * args.new_tokens / dur, statistics.median(itl) if itl else float("nan"), p99, step, floor,
             floor / step if full else float("nan"), dur, ""]
+
+
+def _profile_decode(rep: Report, core, c: int, steps: list, profiled: int = 4) -> dict | None:
+    """``c`` fresh requests on a new engine, decoded until eight full decode steps (``c`` rows, one token each)
+    have run, then ``profiled`` more under ``torch.profiler``: ``{"steps", "busy_ms", "rows"}``, GPU busy time
+    and :func:`_kernel_rows` per step; ``None`` if it failed (reported) or ran out of steps. Separate from the
+    timed run, whose numbers the profiler would slow."""
+    from replicas.engine import LLMEngine
+    from replicas.request import SamplingParams
+    from replicas.scheduler import SchedulerConfig
+
+    vocab = core.model.config.vocab_size
+    engine = LLMEngine(core, SchedulerConfig(256, 8192, True))
+    params = SamplingParams(max_tokens=8 + profiled + 4, temperature=0.0, ignore_eos=True)
+    for i in range(c):
+        engine.add_request(f"p{c}-{i}", random_prompt(vocab, S.sweep_prompt, 77_000 * c + i), params)
+    steps.clear()
+    result = None
+    try:
+        while engine.has_unfinished() and sum(1 for b, t in steps if b == c and t == c) < 8:
+            engine.step()
+        first = len(steps)
+        sync()
+        with _profiler() as prof:
+            for _ in range(profiled):
+                engine.step()
+            sync()
+        n = sum(1 for b, t in steps[first:] if b == c and t == c)
+        if n == profiled:
+            busy, rows = _kernel_rows(prof, 12)
+            result = {"steps": n, "busy_ms": busy / n,
+                      "rows": [[k, launches / n, ms / n, share] for k, launches, ms, share in rows]}
+    except Exception as exc:  # noqa: BLE001 - the sweep's numbers stand without it
+        rep.error(f"profile c={c}", exc)
+    finally:
+        while engine.has_unfinished():
+            engine.step()
+    return result
 
 
 # ------------------------------------------------------------------------------------------- tiles
@@ -890,6 +948,9 @@ def main(argv: list[str] | None = None) -> Report | None:
     p.add_argument("--concurrency", type=lambda v: tuple(int(c) for c in v.split(",")), default=None,
                    help="the standard-lane sweep's concurrencies, comma-separated (default 1,8,16,64,256; the KV "
                         "cache is sized for the largest: on an 80 GB card gpt-oss-120b fits up to 64)")
+    p.add_argument("--profile-concurrency", type=lambda v: tuple(int(c) for c in v.split(",") if c), default=None,
+                   help="the sweep's concurrencies whose decode step is also profiled, in a separate short run "
+                        "(default 1,8,64,256; '' for none)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, Triton's interpreter, tiny shapes: checks that the script runs (numbers meaningless)")
     args = p.parse_args(argv)
@@ -903,6 +964,8 @@ def main(argv: list[str] | None = None) -> Report | None:
         raise SystemExit("benchmarks.prefill needs a CUDA GPU (or --smoke)")
     if args.concurrency:
         S.concurrency = args.concurrency
+    if args.profile_concurrency is not None:
+        S.profile_concurrency = args.profile_concurrency
     rep = Report(Path(args.out), argv, args.budget_s)
     runners = {"kernels": part_kernels, "lanes": part_lanes, "tiles": part_tiles,
                "hf": part_hf,
