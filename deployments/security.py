@@ -8,7 +8,9 @@ routes, before FastAPI reads the body:
    format. Keys are compared in constant time (``hmac.compare_digest`` over SHA-256 digests, every
    configured key compared, no early exit). Admin routes (``/debug/...``) need an admin key
    (``admin-api-key``, ``envs.ADMIN_API_KEY``); with none configured they answer only
-   clients on a loopback address. A key never reaches a log line, a span or a metric label: the
+   clients on a loopback address, and nobody behind Ray Serve's HAProxy ingress
+   (``RAY_SERVE_ENABLE_HA_PROXY=1``), where every client reaches the replica from HAProxy's address
+   and that is a loopback one on the same node (decision 0027). A key never reaches a log line, a span or a metric label: the
    guard reads the header and keeps only whether it matched.
 2. **Body size and time.** A ``Content-Length`` above ``max-request-body-bytes`` is refused with
    413 before a byte is read; a body without one is counted as it arrives and refused at the limit.
@@ -38,6 +40,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
 from collections.abc import Awaitable, Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
@@ -171,6 +174,15 @@ def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
+def behind_haproxy() -> bool:
+    """Whether this process runs under Ray Serve's HAProxy ingress: ``RAY_SERVE_ENABLE_HA_PROXY`` is ``"1"``,
+    the test Ray itself makes (``ray/serve/_private/constants.py``). Ray reads it in every process at start,
+    so the ingress replica sees what HAProxy's node was started with. HAProxy opens its own connection to the
+    replica and adds no forwarded-for header (Ray's ``haproxy_templates.py``), so the client address a route
+    sees is HAProxy's."""
+    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "0") == "1"
+
+
 def is_loopback(client) -> bool:
     """Whether an ASGI ``scope["client"]`` (``(host, port)`` or None) is a loopback address."""
     if not client:
@@ -201,10 +213,13 @@ class RequestGuard:
         limits: the app's :class:`RequestLimits`.
         max_model_len: context length (default ``max_prompt_chars``, the early ``max_tokens`` check).
         env_api_keys, env_admin_keys: keys from the environment (default: ``replicas.envs``).
+        trust_loopback: whether a loopback client may use the admin routes while no admin key is configured
+            (default: unless :func:`behind_haproxy`).
     """
 
     def __init__(self, security: SecurityConfig, limits: RequestLimits, max_model_len: int,
-                 env_api_keys: Iterable[str] | None = None, env_admin_keys: Iterable[str] | None = None):
+                 env_api_keys: Iterable[str] | None = None, env_admin_keys: Iterable[str] | None = None,
+                 trust_loopback: bool | None = None):
         admin = [*_split_keys(security.admin_api_key), *(envs.admin_api_keys() if env_admin_keys is None
                                                          else env_admin_keys)]
         api = [*_split_keys(security.api_key), *(envs.api_keys() if env_api_keys is None else env_api_keys)]
@@ -214,6 +229,10 @@ class RequestGuard:
         self.max_model_len = max_model_len
         self.max_prompt_chars = limits.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
         self.refused = {"unauthorized": 0, "forbidden": 0, "too_large": 0, "timeout": 0}
+        self.trust_loopback = not behind_haproxy() if trust_loopback is None else trust_loopback
+        if not len(self.admin_keys) and not self.trust_loopback:
+            logger.warning("persistent-serve: behind Ray Serve's HAProxy every client looks local, so the admin "
+                           f"routes (/debug/...) answer nobody until an admin key is set (${envs.ADMIN_API_KEY.name})")
         if not len(self.api_keys):
             logger.warning("persistent-serve: no API key configured: the API answers any client that can reach "
                            f"it (set ${envs.API_KEY.name} or api-key)")
@@ -225,7 +244,8 @@ class RequestGuard:
     def stats(self) -> dict:
         """For ``/debug/stats``: how many keys of each kind (never the keys), the limits, refusal counts."""
         return {"api_keys": len(self.api_keys) - len(self.admin_keys), "admin_api_keys": len(self.admin_keys),
-                "admin_access": "admin_key" if len(self.admin_keys) else "loopback",
+                "admin_access": ("admin_key" if len(self.admin_keys) else
+                                 "loopback" if self.trust_loopback else "none"),
                 "limits": {**self.limits.model_dump(), "max_prompt_chars": self.max_prompt_chars},
                 "refused": dict(self.refused)}
 
@@ -242,9 +262,13 @@ class RequestGuard:
                     return None
                 self.refused["unauthorized"] += 1
                 return _unauthorized("this admin route needs an admin API key (Authorization: Bearer ADMIN_KEY)")
-            if is_loopback(scope.get("client")):
+            if self.trust_loopback and is_loopback(scope.get("client")):
                 return None
             self.refused["forbidden"] += 1
+            if not self.trust_loopback:
+                return OpenAIError("admin routes need an admin API key behind Ray Serve's HAProxy ingress, where "
+                                   f"every client looks local (set ${envs.ADMIN_API_KEY.name})", status=403,
+                                   type_="permission_error", code="admin_only")
             return OpenAIError("admin routes answer loopback clients only while no admin API key is configured "
                                f"(set ${envs.ADMIN_API_KEY.name})", status=403, type_="permission_error",
                                code="admin_only")

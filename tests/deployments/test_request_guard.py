@@ -85,6 +85,22 @@ def test_admin_routes_without_an_admin_key_answer_loopback_only():
         assert err is not None and err.status == 403 and err.code == "admin_only"
 
 
+def test_behind_haproxy_no_client_is_trusted_as_local(monkeypatch):
+    # HAProxy connects to the replica itself: a remote client arrives from its (loopback) address
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    g = _guard()
+    assert not g.trust_loopback and g.stats()["admin_access"] == "none"
+    for client in (("127.0.0.1", 1), ("::1", 1), ("10.0.0.7", 1)):
+        err = g.authorize(_scope("/debug/stats", client=client))
+        assert err is not None and err.status == 403 and err.code == "admin_only" and "HAProxy" in err.message
+    assert g.refused["forbidden"] == 3
+    assert g.authorize(_scope("/v1/models")) is None  # the API itself is unchanged
+    keyed = _guard(admin=["a1"])
+    assert keyed.authorize(_scope("/debug/stats", "a1")) is None and keyed.stats()["admin_access"] == "admin_key"
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # Ray's own test: "1" and nothing else
+    assert _guard().trust_loopback and _guard().authorize(_scope("/debug/stats")) is None
+
+
 def test_environment_keys_add_to_the_options(monkeypatch):
     monkeypatch.setenv("PERSISTENT_SERVE_API_KEY", "env-1, env-2\nenv-3")
     monkeypatch.setenv("PERSISTENT_SERVE_ADMIN_API_KEY", "env-admin")
