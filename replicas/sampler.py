@@ -25,7 +25,8 @@ Pipeline (vLLM's order), per row, in :func:`sample_rows`:
    renormalised distribution.
 8. **min-p** (Nguyen et al. 2024) on the temperature-scaled, filtered
    distribution.
-9. **multinomial** draw with the row's generator (the global RNG when None).
+9. **draw** with the row's generator (the global RNG when None): :func:`draw`, the exponential race that
+   ``torch.multinomial`` runs for one sample, without its two host syncs.
 
 Rows that need none of steps 2-9 (greedy, no bans, no penalties) take the
 fast path: one ``argmax`` over the whole batch. Steps 2-8 are batched over the
@@ -292,6 +293,28 @@ def _select(x: torch.Tensor, positions: list[int]) -> torch.Tensor:
     return x[positions]
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs``, drawn from it: ``argmax(probs / q)`` with ``q ~ Exp(1)`` per entry.
+
+    ``min_j q_j / p_j`` picks ``j`` with probability ``p_j`` (the exponential race, the Gumbel-max trick with
+    ``exp`` applied). This is the computation ``torch.multinomial(probs, 1, generator=generator)`` runs
+    (PyTorch's ``multinomial_out`` fast path for one sample, ``aten/src/ATen/native/Distributions.cpp``),
+    in the same order and with the same draws from ``generator``, so the tokens are the same bit for bit
+    (``tests/replicas/test_sampler.py`` checks it). What it leaves out are multinomial's checks of ``probs``
+    (no inf/nan/negative entry, no all-zero row), which read two scalars to the host and so wait for the
+    GPU: the sampler's probabilities come from a softmax over at least one finite logit, so they hold.
+
+    Args:
+        probs: ``[R, vocab]`` or ``[vocab]`` float probabilities (rows need not be normalised).
+        generator: the RNG (None: the global one of ``probs``'s device).
+
+    Returns:
+        ``[R]`` int64 token ids (a 0-d tensor for a 1-D ``probs``) on ``probs.device``.
+    """
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / q).argmax(-1)
+
+
 def _process_and_pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Steps 2-9 of the module docstring for rows that need them.
 
@@ -362,11 +385,11 @@ def _process_and_pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     drawn = torch.empty(len(rand), dtype=torch.long, device=x.device)
     unseeded = [i for i, j in enumerate(rand) if rows[j].generator is None]
     if unseeded:
-        drawn[unseeded] = torch.multinomial(_select(probs, unseeded), 1).squeeze(1)
+        drawn[unseeded] = draw(_select(probs, unseeded))
     for i, j in enumerate(rand):
         gen = rows[j].generator
         if gen is not None:
-            drawn[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+            drawn[i] = draw(probs[i], gen)
     tokens[rand] = drawn
     return tokens
 

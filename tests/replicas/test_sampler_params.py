@@ -25,6 +25,7 @@ from replicas.sampler import (
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
     apply_top_k_top_p,
+    draw,
     make_generator,
     sample,
     sample_rows,
@@ -99,6 +100,28 @@ def _assert_draws_follow(logits, expected, params, n=300, **row_kw):
     unpenalised = torch.tensor(logits).softmax(-1)
     gen_c = torch.Generator().manual_seed(5)
     assert got != [int(torch.multinomial(unpenalised, 1, generator=gen_c)) for _ in range(n)]
+
+
+@given(rows=st.integers(1, 6), vocab=st.integers(2, 2000), seed=st.integers(0, 2**31 - 1),
+       masked=st.floats(0.0, 0.9))
+@settings(max_examples=60, deadline=None)
+def test_draw_is_torch_multinomial_bit_for_bit(rows, vocab, seed, masked):
+    """The sampler's sync-free draw picks what ``torch.multinomial(probs, 1)`` picks from the same RNG state:
+    per-row generators, a batch on the global RNG, and rows with masked (zero-probability) tokens."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    logits[torch.rand(rows, vocab, generator=g) < masked] = float("-inf")
+    logits[:, seed % vocab] = 0.0  # one finite logit per row at least
+    probs = logits.softmax(-1)
+    for r in range(rows):
+        a, b = torch.Generator().manual_seed(seed + r), torch.Generator().manual_seed(seed + r)
+        picks = [int(draw(probs[r], a)) for _ in range(5)]
+        assert picks == [int(torch.multinomial(probs[r], 1, generator=b)) for _ in range(5)]
+        assert all(probs[r, t] > 0 for t in picks)
+    torch.manual_seed(seed)
+    mine = draw(probs)
+    torch.manual_seed(seed)
+    assert torch.equal(mine, torch.multinomial(probs, 1).squeeze(1))
 
 
 # --- presence / frequency penalties ------------------------------------------------------------
