@@ -723,7 +723,10 @@ def _profile_decode(rep: Report, core, c: int, steps: list, profiled: int = 4) -
 
     vocab = core.model.config.vocab_size
     engine = LLMEngine(core, SchedulerConfig(256, 8192, True))
-    params = SamplingParams(max_tokens=8 + profiled + 4, temperature=0.0, ignore_eos=True)
+    # the first requests decode while the last prompts are still being prefilled (8,192 tokens per step): give
+    # them enough tokens to still be running when every request decodes
+    prefill_steps = -(-c * S.sweep_prompt // 8192)
+    params = SamplingParams(max_tokens=prefill_steps + 8 + profiled + 4, temperature=0.0, ignore_eos=True)
     for i in range(c):
         engine.add_request(f"p{c}-{i}", random_prompt(vocab, S.sweep_prompt, 77_000 * c + i), params)
     steps.clear()
