@@ -665,7 +665,10 @@ def _sweep(rep: Report, args, core, shape: str = "gpt-oss-120b", invariant: bool
                           prof["rows"], f"{prof['steps']} full decode steps profiled; GPU busy {prof['busy_ms']:.2f} ms "
                           f"per step (sum of kernel durations) against a median step of {r[4]:.2f} ms unprofiled: "
                           "the difference is time the GPU sat idle within the step (launch gaps, host work, "
-                          "the token read).")
+                          "the token read). With programmatic dependent launch (the engine's pdl, on by default) "
+                          "a kernel starts before the one it depends on ends and its recorded time includes "
+                          "that wait, so busy can exceed the step; --engine pdl=false attributes time "
+                          "exactly.")
     finally:
         core.runner.execute = execute
     failed = sorted(graphs._failed) if graphs else None
