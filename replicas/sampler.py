@@ -300,7 +300,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     ``exp`` applied). This is the computation ``torch.multinomial(probs, 1, generator=generator)`` runs
     (PyTorch's ``multinomial_out`` fast path for one sample, ``aten/src/ATen/native/Distributions.cpp``),
     in the same order and with the same draws from ``generator``, so the tokens are the same bit for bit
-    (``tests/replicas/test_sampler.py`` checks it). What it leaves out are multinomial's checks of ``probs``
+    (``tests/replicas/test_sampler_params.py`` checks it on the CPU; CUDA dispatches to the same function). What it leaves out are multinomial's checks of ``probs``
     (no inf/nan/negative entry, no all-zero row), which read two scalars to the host and so wait for the
     GPU: the sampler's probabilities come from a softmax over at least one finite logit, so they hold.
 
