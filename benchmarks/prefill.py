@@ -75,6 +75,7 @@ class Settings:
     warm_prompts = (16, 128, 300, 500, 1000, 2000, 8192)  # the decode MoE kernels (<= 16 tokens), every grouped
     # block height and both attention variants: the first call of each compiles (NVRTC for hopper_bulk)
     concurrency = (1, 8, 16, 64, 256)
+    sweep_batched_tokens = 8192  # the sweep's scheduler: tokens per step (chunked prefill mixed with decodes)
     sweep_prompt = 1024
     repeat_prompt = 2000
     heads = (64, 8, 64)  # query heads, KV heads, head_dim (gpt-oss)
@@ -90,7 +91,7 @@ class Settings:
         cls.tokens, cls.prompts, cls.warm_prompts, cls.concurrency = (1, 16, 40), (16, 40), (40,), (1, 3)
         cls.profile_prompts, cls.profile_concurrency = (40,), (3,)
         cls.moe_tokens = cls.tokens
-        cls.sweep_prompt, cls.repeat_prompt = 24, 40
+        cls.sweep_prompt, cls.repeat_prompt, cls.sweep_batched_tokens = 24, 40, 32  # prefill spans several steps
         cls.heads, cls.moe, cls.check_experts, cls.moe_check_tokens = (8, 2, 16), (8, 64, 64, 2), 8, (1, 9)
         cls.lanes = (3, 6, 4)
 
@@ -549,7 +550,7 @@ def part_model(rep: Report, args, shape: str) -> None:
     blocks = (max(S.concurrency) * per_seq + 2 * -(-max_len // 16) + 64) if sweep else 3 * -(-max_len // 16)
     t0 = time.perf_counter()
     core = build_core(raw, torch.device(S.device), S.dtype, max_len,
-                      {"num_kv_blocks": blocks, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+                      {"num_kv_blocks": blocks, "max_num_seqs": 256, "max_num_batched_tokens": S.sweep_batched_tokens,
                        "enable_prefix_caching": True, **S.engine})
     invariant = bool(S.engine.get("batch_invariant", False))
     vocab = raw["vocab_size"]
@@ -675,8 +676,8 @@ def _sweep(rep: Report, args, core, shape: str = "gpt-oss-120b", invariant: bool
     rep.table("Standard lane, gpt-oss-120b (random weights): random 1,024-token prompts, 128 new tokens, greedy",
               ["concurrency", "output tok/s", "ITL median ms", "ITL p99 ms", "decode step ms (all c)",
                "step floor ms", "of floor", "wall s", "note"], rows,
-              f"All requests added at once; chunked prefill (8,192 tokens per step) mixed with decodes; decode "
-              f"steps replay CUDA graphs (buckets {graphs.batch_sizes if graphs else None}, captured up front in "
+              f"All requests added at once; chunked prefill ({S.sweep_batched_tokens:,} tokens per step) mixed with "
+              f"decodes; decode steps replay CUDA graphs (buckets {graphs.batch_sizes if graphs else None}, captured up front in "
               f"{capture_s:.0f} s; failed to capture: {failed}). Step floor: dense weights + the expected distinct "
               f"experts of c tokens (uniform routing) + the KV at the mean context, at {args.bandwidth_tbps} TB/s.")
 
@@ -688,7 +689,7 @@ def _sweep_one(core, c: int, args, steps: list) -> list:
     from replicas.scheduler import SchedulerConfig
 
     vocab = core.model.config.vocab_size
-    engine = LLMEngine(core, SchedulerConfig(256, 8192, True))
+    engine = LLMEngine(core, SchedulerConfig(256, S.sweep_batched_tokens, True))
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     stamps: dict[str, list[float]] = {}
     step_ms: list[float] = []
@@ -725,10 +726,10 @@ def _profile_decode(rep: Report, core, c: int, steps: list, profiled: int = 4) -
     from replicas.scheduler import SchedulerConfig
 
     vocab = core.model.config.vocab_size
-    engine = LLMEngine(core, SchedulerConfig(256, 8192, True))
-    # the first requests decode while the last prompts are still being prefilled (8,192 tokens per step): give
-    # them enough tokens to still be running when every request decodes
-    prefill_steps = -(-c * S.sweep_prompt // 8192)
+    engine = LLMEngine(core, SchedulerConfig(256, S.sweep_batched_tokens, True))
+    # the first requests decode while the last prompts are still being prefilled: give them enough tokens to
+    # still be running when every request decodes
+    prefill_steps = -(-c * S.sweep_prompt // S.sweep_batched_tokens)
     params = SamplingParams(max_tokens=prefill_steps + 8 + profiled + 4, temperature=0.0, ignore_eos=True)
     for i in range(c):
         engine.add_request(f"p{c}-{i}", random_prompt(vocab, S.sweep_prompt, 77_000 * c + i), params)
