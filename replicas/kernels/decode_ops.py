@@ -389,7 +389,7 @@ class DecodeOps:
         if self.batch_invariant:
             parts = self.moe.row_exact_partials(x, weights, ids, experts, prefill, x_mxfp4)
         else:
-            parts = self.moe.partials(x, weights, ids, experts, x_mxfp4, prefill)
+            parts = self.moe.partials(x, weights, ids, experts, x_mxfp4)
         if parts is not None:
             return self.add_rmsnorm(residual, parts, norm, weight_in_fp32)
         return self.add_rmsnorm(self.moe(x, weights, ids, experts, residual=residual), None, norm, weight_in_fp32)

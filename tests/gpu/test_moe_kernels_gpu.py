@@ -494,9 +494,7 @@ def test_moe_routes_rows_to_the_grouped_kernel_and_row_exact_rows_to_one_family(
         assert torch.equal(parts, alone[:m]), m
     assert torch.equal(moe.partials(x[:16], w[:16], ids[:16], experts),
                        cuda_moe_bulk(x[:16], w[:16], ids[:16], *packed, pdl=False))
-    m = GROUPED_DECODE_MAX_TOKENS
-    for prefill in (False, True):
-        assert torch.equal(moe.partials(x[:m], w[:m], ids[:m], experts, prefill=prefill), alone[:m])
-        n = m + 1  # the grouped GEMMs above
-        assert torch.equal(moe.partials(x[:n], w[:n], ids[:n], experts, prefill=prefill),
-                           experts_partials(x[:n], w[:n], ids[:n], experts))
+    m = GROUPED_DECODE_MAX_TOKENS  # decode rows and prompt tokens alike
+    assert torch.equal(moe.partials(x[:m], w[:m], ids[:m], experts), alone[:m])
+    n = m + 1  # the grouped GEMMs above
+    assert torch.equal(moe.partials(x[:n], w[:n], ids[:n], experts), experts_partials(x[:n], w[:n], ids[:n], experts))

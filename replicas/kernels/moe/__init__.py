@@ -252,13 +252,13 @@ class MoE:
         return True
 
     def partials(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts,
-                 x_mxfp4: torch.Tensor | None = None, prefill: bool = False) -> torch.Tensor | None:
+                 x_mxfp4: torch.Tensor | None = None) -> torch.Tensor | None:
         """Per routed expert, its weighted output ``[T, K, hidden]`` fp32 (``x`` ``[T, hidden]``, ``weights``
         and ``ids`` ``[T, K]`` on the device), or None where no partials kernel serves ``T`` tokens: up to
         :data:`DECODE_MAX_TOKENS` the decode backend's (if it has one); above it, up to
-        :attr:`kernel_max_tokens` decode rows or prompt tokens (``prefill``), the backend's grouped decode
-        kernel; else the grouped GEMMs (if they are the prefill path). ``x_mxfp4``: ``x`` in the tensor-core format, when
-        :attr:`takes_mxfp4_activations` and the caller has it (decode kernels only)."""
+        :attr:`kernel_max_tokens` (decode rows and prompt tokens alike), the backend's grouped decode kernel;
+        else the grouped GEMMs (if they are the prefill path). ``x_mxfp4``: ``x`` in the tensor-core format,
+        when :attr:`takes_mxfp4_activations` and the caller has it (decode kernels only)."""
         extra = {"x_mxfp4": x_mxfp4} if x_mxfp4 is not None else {}
         if x.shape[0] > DECODE_MAX_TOKENS:
             if x.shape[0] <= self.kernel_max_tokens:  # only a grouped decode kernel serves more than 16
