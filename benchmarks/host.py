@@ -148,13 +148,16 @@ def _core(args, spec: str):
 
 
 def _prompts(core, args) -> list[list[int]]:
-    """Six chat-templated questions, or with ``--shape`` (no tokenizer) six random prompts of ``--prompt-len``."""
+    """Six chat-templated questions, or with ``--shape`` (no tokenizer) one random prompt of ``--prompt-len``
+    per request of the largest concurrency. Distinct prompts matter there: greedy rows with the same prompt
+    emit the same tokens, so a MoE model's rows would route to the same experts and the step would read
+    fewer expert weights than distinct requests make it read (and the prefix cache would share the prompts)."""
     if args.shape:
         import random
 
         rng = random.Random(1)
         vocab = core.model.config.vocab_size
-        return [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(6)]
+        return [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(max(args.concurrency))]
     questions = ("What is the capital of France?", "Tell me about the sea.", "Name three colors.",
                  "How do birds fly?", "Explain what a CPU does.", "Write a haiku about rain.")
     return [list(core.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

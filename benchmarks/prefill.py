@@ -658,7 +658,7 @@ def _sweep(rep: Report, args, core, shape: str = "gpt-oss-120b", invariant: bool
             r = rows[-1]
             rep.study("standard_sweep", [{"shape": shape, "concurrency": c, "decode_step_ms": r[4],
                                           "step_floor_ms": r[5], "output_tok_s": r[1], "itl_median_ms": r[2],
-                                          "batch_invariant": invariant}])
+                                          "batch_invariant": invariant, "note": r[8] or None}])
             prof = _profile_decode(rep, core, c, steps) if c in S.profile_concurrency else None
             if prof:
                 rep.table(f"Where a {c}-row decode step's GPU time goes, {shape} (standard lane, CUDA graph replay, "
@@ -679,7 +679,10 @@ def _sweep(rep: Report, args, core, shape: str = "gpt-oss-120b", invariant: bool
               f"All requests added at once; chunked prefill ({S.sweep_batched_tokens:,} tokens per step) mixed with "
               f"decodes; decode steps replay CUDA graphs (buckets {graphs.batch_sizes if graphs else None}, captured up front in "
               f"{capture_s:.0f} s; failed to capture: {failed}). Step floor: dense weights + the expected distinct "
-              f"experts of c tokens (uniform routing) + the KV at the mean context, at {args.bandwidth_tbps} TB/s.")
+              f"experts of c tokens (uniform routing) + the KV at the mean context, at {args.bandwidth_tbps} TB/s. "
+              "The note gives the median number of distinct token ids the c rows emitted per decode step: rows "
+              "that emit the same token route alike in the first layer, so few distinct tokens would mean the "
+              "step reads fewer experts than the floor assumes.")
 
 
 def _sweep_one(core, c: int, args, steps: list) -> list:
@@ -693,6 +696,7 @@ def _sweep_one(core, c: int, args, steps: list) -> list:
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     stamps: dict[str, list[float]] = {}
     step_ms: list[float] = []
+    distinct: list[int] = []  # distinct token ids among the c rows of each step that gave every row a token
     steps.clear()
     sync()
     t_start = time.perf_counter()
@@ -705,6 +709,8 @@ def _sweep_one(core, c: int, args, steps: list) -> list:
         step_ms.append((now - a) * 1e3)
         for chunk in out:
             stamps.setdefault(chunk.request_id, []).append(now)
+        if len(out) == c:  # rows' tokens: greedy random-weight rows that agree route to the same experts
+            distinct.append(len({chunk.token_ids[0] for chunk in out}))
     dur = time.perf_counter() - t_start
     itl = sorted((b - a) * 1e3 for s in stamps.values() for a, b in zip(s, s[1:], strict=False))
     full = [ms for ms, (b, t) in zip(step_ms, steps, strict=False) if b == c and t == c]
@@ -712,8 +718,9 @@ def _sweep_one(core, c: int, args, steps: list) -> list:
     floor = decode_step_floor(core.model, c, S.sweep_prompt + args.new_tokens // 2, args)
     p99 = itl[min(len(itl) - 1, int(0.99 * len(itl)))] if itl else float("nan")
     assert core.allocator.num_free == core.allocator.num_blocks
+    note = f"{statistics.median(distinct):.0f} distinct tokens per step" if distinct and c > 1 else ""
     return [c, c * args.new_tokens / dur, statistics.median(itl) if itl else float("nan"), p99, step, floor,
-            floor / step if full else float("nan"), dur, ""]
+            floor / step if full else float("nan"), dur, note]
 
 
 def _profile_decode(rep: Report, core, c: int, steps: list, profiled: int = 4) -> dict | None:
