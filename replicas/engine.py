@@ -135,11 +135,6 @@ class LLMEngine:
         children = self._children.pop(request_id, None)
         if children is None:
             return False
-        ahead = self._inflight
-        if (ahead is not None and ahead.saved is not None and not self.core.runner.batch_invariant
-                and any(t.req.request_id in children and self._tracked.get(t.req.request_id) is t
-                        for t in ahead.rows)):
-            self._undo_ahead()  # the synchronous path's next step would not hold it: run that one instead
         for seq_id in children:
             tracked = self._tracked.pop(seq_id, None)
             if tracked is not None:
@@ -259,8 +254,7 @@ class LLMEngine:
         Where the forward is row-exact (``batch_invariant`` on a GPU) the other rows' results stand; elsewhere
         a row's logits depend on the rows beside it, so the step ahead is undone (:meth:`_undo_ahead`) and the
         synchronous path runs the batch without the ended rows: the tokens and logprobs stay the synchronous
-        path's, at the cost of one wasted step per such stop. :meth:`abort` of a row of the step ahead does
-        the same. Greedy and temperature / top-k / top-p / min-p rows run ahead; a seeded row's generator advances
+        path's, at the cost of one wasted step per such stop. Greedy and temperature / top-k / top-p / min-p rows run ahead; a seeded row's generator advances
         on the device in launch order, so its draws are those of the synchronous path.
 
         Returns:
