@@ -51,13 +51,12 @@ class _Tracked:
 
 class _InFlight:
     """A step launched and not read yet (async scheduling): its sequences, every one sampled in it, in batch
-    order, and their queued picks; for a step launched ahead, the seeded generators' states from before its
-    picks (``saved``, to undo it), else None."""
+    order, and their queued picks."""
 
-    __slots__ = ("rows", "picks", "saved")
+    __slots__ = ("rows", "picks")
 
-    def __init__(self, rows: list[_Tracked], picks: QueuedPicks, saved: list | None = None):
-        self.rows, self.picks, self.saved = rows, picks, saved
+    def __init__(self, rows: list[_Tracked], picks: QueuedPicks):
+        self.rows, self.picks = rows, picks
 
 
 class LLMEngine:
@@ -250,12 +249,12 @@ class LLMEngine:
 
         A row whose pending token ends it by length (``max_tokens``, ``max_model_len``) is left out of the
         step ahead, never launched speculatively. One whose pending token is an EOS or stop id cannot be
-        told apart before the read: it runs ahead, and :meth:`_collect` frees its pages and drops its result.
-        Where the forward is row-exact (``batch_invariant`` on a GPU) the other rows' results stand; elsewhere
-        a row's logits depend on the rows beside it, so the step ahead is undone (:meth:`_undo_ahead`) and the
-        synchronous path runs the batch without the ended rows: the tokens and logprobs stay the synchronous
-        path's, at the cost of one wasted step per such stop. Greedy and temperature / top-k / top-p / min-p rows run ahead; a seeded row's generator advances
-        on the device in launch order, so its draws are those of the synchronous path.
+        told apart before the read: it runs ahead, and :meth:`_collect` frees its pages and drops its result;
+        the other rows' results stand. With row-exact kernels (``batch_invariant`` on a GPU) they are the
+        synchronous path's bit for bit; otherwise a row's logits move in their last bits with the rows beside
+        it, as they do whenever a request joins or leaves a step (docs/decisions/0031-async-scheduling.md).
+        Greedy and temperature / top-k / top-p / min-p rows run ahead; a seeded row's generator advances on
+        the device in launch order, so its draws are those of the synchronous path.
 
         Returns:
             ``(index of the sequence in prev.rows, sequence)`` per row of the step ahead, in running order.
@@ -299,20 +298,7 @@ class LLMEngine:
         for req, _ in batch:
             self.scheduler.commit_computed(req, 1)  # a page the pending token completes is registered on read
         rows = [self._sampling_row(t, pending=1) for _, t in plan]
-        saved = [(t.generator, t.generator.get_state()) for _, t in plan if t.generator is not None]
-        return _InFlight([t for _, t in plan], queue_picks(logits, rows, blocking=self.blocking_sync), saved)
-
-    def _undo_ahead(self) -> None:
-        """Forget the step launched ahead (in flight) as if it had not been launched: its sequences are one
-        token back (``num_computed_tokens``) and their seeded generators back to their states before its
-        picks, so the synchronous step that replaces it draws the same numbers. Its device work still runs
-        and writes KV where the replacing step writes again, later on the same stream. The pages it grew
-        stay with their sequences (the replacing step needs them; an ended sequence has freed them)."""
-        ahead, self._inflight = self._inflight, None
-        for t in ahead.rows:
-            t.req.num_computed_tokens -= 1
-        for gen, state in ahead.saved:
-            gen.set_state(state)
+        return _InFlight([t for _, t in plan], queue_picks(logits, rows, blocking=self.blocking_sync))
 
     def _collect(self, prev: _InFlight) -> list[GenerationChunk]:
         """Read ``prev``'s picks and postprocess them (stops, finish, chunks). A sequence aborted since the
@@ -320,8 +306,7 @@ class LLMEngine:
         row's result is dropped when read, and its pages are freed here already; a later step that takes
         them is queued after the in-flight one on the same CUDA stream, so its reads and writes come after
         the in-flight step's KV writes (the same holds on the CPU, where steps run one after the other).
-        If every row of the step in flight has ended, it is forgotten (nothing of it will be read); if some
-        have and the forward is not row-exact, it is undone (:meth:`_plan_ahead` says why)."""
+        If every row of the step in flight has ended, it is forgotten (nothing of it will be read)."""
         out = prev.picks.read()
         chunks = []
         for j, t in enumerate(prev.rows):
@@ -333,8 +318,6 @@ class LLMEngine:
             live = sum(self._tracked.get(t.req.request_id) is t for t in ahead.rows)
             if live == 0:
                 self._inflight = None
-            elif live < len(ahead.rows) and not self.core.runner.batch_invariant:
-                self._undo_ahead()
         for t in prev.rows:
             if self._tracked.get(t.req.request_id) is t:
                 self.scheduler.commit_computed(t.req, 0)  # the page the token just read completed, if any

@@ -5,7 +5,11 @@ Each test runs one script of ``add_request`` / ``abort`` calls, placed by step-c
 the session model that differ only in ``async_scheduling``, and compares every chunk (token ids, finish
 reason, logprobs, prompt logprobs, counts) with ``==``. The CPU forward is not row-exact (a row's logits move
 in the last bits with the rows beside it), so equal logprobs also say that the async engine ran exactly the
-synchronous engine's batches. Every engine must end with its page pool full.
+synchronous engine's batches. The one place where they differ by design: a row that ends on an EOS or stop id
+while it is in a step launched ahead rides along in that step (its result dropped), so that step's other
+rows may differ from the synchronous run in their last bits. Where a script's synchronous run ends a row
+that way, logprob values are left out of the comparison (token ids, the logprobs' token ids, finish reasons
+and counts are still compared with ``==``). Every engine must end with its page pool full.
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ def _core(core: EngineCore, async_scheduling: bool, num_kv_blocks: int = 96, max
 
 
 class _Counted(LLMEngine):
-    """The engine with counters of the async path's events (steps launched ahead, steps undone)."""
+    """The engine with counters of the async path's events (steps launched ahead, rows that ended while a
+    step ahead held them)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.launched_ahead = self.undone = 0
+        self.launched_ahead = self.ended_ahead = 0
         self.ran_ahead: set[str] = set()
 
     def _launch_ahead(self, prev, plan):
@@ -47,9 +52,12 @@ class _Counted(LLMEngine):
         self.ran_ahead.update(t.req.request_id for _, t in plan)
         return super()._launch_ahead(prev, plan)
 
-    def _undo_ahead(self):
-        self.undone += 1
-        super()._undo_ahead()
+    def _collect(self, prev):
+        chunks = super()._collect(prev)
+        ahead = self._inflight
+        if ahead is not None:
+            self.ended_ahead += sum(self._tracked.get(t.req.request_id) is not t for t in ahead.rows)
+        return chunks
 
 
 def _run(core: EngineCore, script: Script, async_scheduling: bool, sched: SchedulerConfig, **core_kw):
@@ -78,11 +86,21 @@ def _run(core: EngineCore, script: Script, async_scheduling: bool, sched: Schedu
     return out, eng, eng_core
 
 
+def _without_logprob_values(chunks: list[tuple]) -> list[tuple]:
+    """Chunk fields with each logprob entry reduced to its token ids (chosen and top)."""
+    def ids(entries):
+        return None if entries is None else [(e.token_id, [i for i, _ in e.top]) if e else None for e in entries]
+    return [(tokens, finish, ids(lps), ids(plps), n) for tokens, finish, lps, plps, n in chunks]
+
+
 def _compare(core, script: Script, sched: SchedulerConfig | None = None, **core_kw):
     sched = sched or SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
     want, sync, _ = _run(core, script, False, sched, **core_kw)
     got, eng, _ = _run(core, script, True, sched, **core_kw)
     assert sync.launched_ahead == 0
+    if eng.ended_ahead:  # a step ahead carried an ended row: its other rows' logprob values may differ
+        want = {k: _without_logprob_values(v) for k, v in want.items()}
+        got = {k: _without_logprob_values(v) for k, v in got.items()}
     aborted = {call[1] for calls in script.values() for call in calls if call[0] == "abort"}
     assert got.keys() <= want.keys()
     for key in want:
@@ -137,7 +155,7 @@ def test_async_matches_sync_on_a_mixed_workload(core):
     want, eng = _compare(core, _mixed_script(stops))
     finishes = [chunks[-1][1] for chunks in want.values()]
     assert "stop" in finishes and "length" in finishes  # some rows ended on a stop id mid-batch
-    assert eng.launched_ahead > 10 and eng.undone > 0  # the async path ran, and undid steps after stops
+    assert eng.launched_ahead > 10 and eng.ended_ahead > 0  # the async path ran; rows ended while ahead
 
 
 def test_async_matches_sync_without_prefix_caching_and_chunked_prefill(core):
