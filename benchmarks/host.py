@@ -7,7 +7,9 @@ three parts by timing the engine's own calls:
 * ``forward``: :meth:`ModelRunner.execute` (on a GPU it returns once the work is queued; the wait for the GPU
   then lands in ``sample``);
 * ``sample``: :func:`replicas.sampler.sample_rows`, with the read of the sampled tokens (on a GPU, the sync);
-  on a CPU it is mostly the random draws of sampled rows (a multinomial over the vocabulary per row);
+  on a CPU it is mostly the random draws of sampled rows (a multinomial over the vocabulary per row); with
+  ``async_scheduling`` also :func:`replicas.sampler.queue_picks` and :meth:`~replicas.sampler.QueuedPicks.read`
+  (the wait for a step's picks, a step after its launch);
 * ``host``: the rest of the step: scheduling, page accounting, step inputs, stop checks, the chunks.
 
 ``host`` is the engine's Python per token that no kernel speeds up (the number issue 33's "per-token Python
@@ -43,6 +45,7 @@ def measure(core, concurrency: int, max_tokens: int, temperature: float, prompts
     engine = LLMEngine(core)
     spent = {"forward": 0.0, "sample": 0.0}
     execute, sample_rows = core.runner.execute, engine_module.sample_rows
+    queue_picks, read = engine_module.queue_picks, engine_module.QueuedPicks.read
 
     def timed(part, fn):
         def run(*args, **kwargs):
@@ -55,6 +58,8 @@ def measure(core, concurrency: int, max_tokens: int, temperature: float, prompts
 
     core.runner.execute = timed("forward", execute)
     engine_module.sample_rows = timed("sample", sample_rows)
+    engine_module.queue_picks = timed("sample", queue_picks)
+    engine_module.QueuedPicks.read = timed("sample", read)
     try:
         for i in range(concurrency):
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
@@ -68,6 +73,7 @@ def measure(core, concurrency: int, max_tokens: int, temperature: float, prompts
     finally:
         core.runner.execute = execute
         engine_module.sample_rows = sample_rows
+        engine_module.queue_picks, engine_module.QueuedPicks.read = queue_picks, read
     host = total - spent["forward"] - spent["sample"]
     return {"tokens": tokens, "steps": steps, "wall_ms_per_token": round(total * 1e3 / tokens, 4),
             "cpu_ms_per_token": round(cpu * 1e3 / tokens, 4),

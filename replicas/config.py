@@ -123,6 +123,15 @@ class EngineConfig(BaseModel):
         "for one context per process). The "
         "persistent lane always spins: its quanta are latency-bound. Ignored on CPU.",
     )
+    async_scheduling: bool = Field(
+        False, description="Standard lane: launch the next decode step before reading the previous step's "
+        "sampled tokens (its decode rows take their input tokens from the device), so the host's scheduling "
+        "and launch work overlaps the GPU's forward; tokens, logprobs and finish reasons are the same as "
+        "without it. Only batches where that is safe run ahead (LLMEngine._plan_ahead: no penalties, "
+        "structured output or min_tokens ban, nothing waiting, no prefill chunk, pages free); the rest take "
+        "the synchronous step. With blocking_sync the read of the previous tokens sleeps on an event. Off "
+        "until measured on a GPU (decision 0031).",
+    )
 
     @model_validator(mode="after")
     def _check_blocks(self) -> EngineConfig:

@@ -67,9 +67,12 @@ class DecodeGraphs:
         return size
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Request, int]], size: int) -> torch.Tensor | None:
+    def run(self, batch: list[tuple[Request, int]], size: int,
+            input_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits ``[len(batch), vocab]`` fp32 of a pure-decode ``batch`` from the graph of bucket ``size``,
-        or None when that bucket cannot be captured (the caller runs the eager forward)."""
+        or None when that bucket cannot be captured (the caller runs the eager forward). ``input_tokens``
+        (``[len(batch)]`` int64 on the device), if given, are the rows' input tokens instead of the
+        requests' last token ids (copied on the device)."""
         entry = self._graphs.get(size) or self._capture(size)
         if entry is None:
             return None
@@ -78,10 +81,13 @@ class DecodeGraphs:
         host[:, 1] = -1  # padding rows
         for i, (req, _) in enumerate(batch):
             pos = req.num_computed_tokens
-            host[i, 0] = req.all_token_ids[pos]
+            if input_tokens is None:
+                host[i, 0] = req.all_token_ids[pos]
             host[i, 1] = pos
             host[i, 2:2 + len(req.block_table)] = torch.tensor(req.block_table, dtype=torch.long)
         buf["staging"].copy_(host, non_blocking=False)
+        if input_tokens is not None:
+            buf["staging"][: len(batch), 0].copy_(input_tokens)
         graph.replay()
         self.replays += 1
         return buf["logits"][: len(batch)].clone()

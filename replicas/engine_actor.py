@@ -368,6 +368,7 @@ class EngineActor:
             out["prefix_caching"] = self.persistent.prefix_caching
         if self.engine is not None:
             out["blocking_sync"] = self.engine.blocking_sync
+            out["async_scheduling"] = self.engine.async_scheduling
         if self.colocated:
             out["colocated_persistent_steps"] = cfg.colocated_persistent_steps
         return out

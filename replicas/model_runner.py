@@ -13,9 +13,13 @@ from replicas.kernels.paged_attention import PAGE_SIZE, AttentionMetadata
 from replicas.request import Request
 
 
-def build_metadata(batch: list[tuple[Request, int]], device: torch.device | str) -> tuple[torch.Tensor, AttentionMetadata]:
+def build_metadata(batch: list[tuple[Request, int]], device: torch.device | str,
+                   input_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
     """Flatten a batch into ``input_ids [T]`` and :class:`AttentionMetadata` (the list path: Python per
     token; the oracle of :meth:`replicas.step_inputs.StepInputs.build`, which the runner uses).
+
+    ``input_tokens`` (``[len(batch)]`` int64 on ``device``, a pure-decode batch only) replaces the requests'
+    token ids as ``input_ids``: the tokens a previous step picked and the host has not read yet.
 
     Raises:
         ValueError: a request's block table does not cover its new tokens.
@@ -31,7 +35,7 @@ def build_metadata(batch: list[tuple[Request, int]], device: torch.device | str)
         end = start + n
         if len(req.block_table) * PAGE_SIZE < end:
             raise ValueError(f"request {req.request_id}: {len(req.block_table)} pages cannot hold {end} tokens")
-        ids.extend(req.all_token_ids[start:end])
+        ids.extend(req.all_token_ids[start:end] if input_tokens is None else [0] * n)
         for pos in range(start, end):
             positions.append(pos)
             slots.append(req.block_table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE)
@@ -45,6 +49,8 @@ def build_metadata(batch: list[tuple[Request, int]], device: torch.device | str)
         context_lens=context_lens,
         block_tables=tables,
     )
+    if input_tokens is not None:
+        return input_tokens.to(device=device, dtype=torch.long), meta
     return torch.tensor(ids, dtype=torch.long, device=device), meta
 
 
@@ -79,39 +85,52 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
 
     @torch.inference_mode()
-    def execute(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
+    def execute(self, batch: list[tuple[Request, int]], input_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Forward the batch; KV of the new tokens lands in the cache.
+
+        Args:
+            batch: ``(request, num_new_tokens)`` pairs.
+            input_tokens: for a pure-decode batch (one new token per request), ``[len(batch)]`` int64 on the
+                runner's device: each request's input token, copied into the step's inputs on the device
+                instead of read from ``req.all_token_ids`` (async scheduling: the previous step's picks,
+                which the host has not read yet). None: the requests' own token ids.
 
         Returns:
             ``[len(batch), vocab]`` fp32 logits of each request's last new token.
+
+        Raises:
+            ValueError: ``input_tokens`` is given for a batch that is not pure decode, or does not have one
+                entry per request.
         """
+        if input_tokens is not None and (input_tokens.shape != (len(batch),) or any(n != 1 for _, n in batch)):
+            raise ValueError(f"input_tokens {tuple(input_tokens.shape)} need a pure-decode batch of that size")
         if self.batch_invariant:
-            return self._execute_split(batch)
+            return self._execute_split(batch, input_tokens)
         tensors = self.inputs is not None and self.inputs.fits(batch)
         if self.graphs is not None:
             size = self.graphs.bucket(batch)
             if size is not None:
                 if tensors:  # the staged inputs feed the graph with device copies
-                    input_ids, meta = self.inputs.build(batch, self.kernels)
+                    input_ids, meta = self.inputs.build(batch, self.kernels, input_tokens)
                     logits = self.graphs.run_staged(input_ids, meta.positions, meta.device.block_table, size)
                 else:
-                    logits = self.graphs.run(batch, size)
+                    logits = self.graphs.run(batch, size, input_tokens)
                 if logits is not None:
                     return logits
                 if tensors:
                     return self.model(input_ids, meta, self.kv_planes)
         if tensors:
-            input_ids, meta = self.inputs.build(batch, self.kernels)
+            input_ids, meta = self.inputs.build(batch, self.kernels, input_tokens)
         else:
-            input_ids, meta = build_metadata(batch, self.device)
+            input_ids, meta = build_metadata(batch, self.device, input_tokens)
             meta.kernels = self.kernels
         return self.model(input_ids, meta, self.kv_planes)
 
-    def _execute_split(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
+    def _execute_split(self, batch: list[tuple[Request, int]], input_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`execute` with decode rows and prompt tokens in separate forwards (``batch_invariant``)."""
         decode = [i for i, (req, n) in enumerate(batch) if n == 1 and req.prefill_done]
         if len(decode) == len(batch):
-            return self._decode_static(batch)
+            return self._decode_static(batch, input_tokens)
         if not decode:
             return self._eager(batch)
         rest = sorted(set(range(len(batch))) - set(decode))
@@ -122,23 +141,27 @@ class ModelRunner:
         out[torch.tensor(rest, device=dec.device)] = pre
         return out
 
-    def _decode_static(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
+    def _decode_static(self, batch: list[tuple[Request, int]], input_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Fp32 logits ``[len(batch), vocab]`` of a pure-decode batch through the model's ``decode_static``:
-        a bucket's CUDA graph when one serves it, else eagerly."""
+        a bucket's CUDA graph when one serves it, else eagerly (``input_tokens`` as :meth:`execute`)."""
         if self.graphs is not None:
             size = self.graphs.bucket(batch)
             if size is not None:
-                logits = self.graphs.run(batch, size)
+                logits = self.graphs.run(batch, size, input_tokens)
                 if logits is not None:
                     return logits
         width = max(len(req.block_table) for req, _ in batch)
         table = torch.zeros(len(batch), width, dtype=torch.long)
         for i, (req, _) in enumerate(batch):
             table[i, :len(req.block_table)] = torch.tensor(req.block_table, dtype=torch.long)
-        tokens = torch.tensor([req.all_token_ids[req.num_computed_tokens] for req, _ in batch], dtype=torch.long)
         positions = torch.tensor([req.num_computed_tokens for req, _ in batch], dtype=torch.long)
         dev = self.device
-        return self.model.decode_static(tokens.to(dev), positions.to(dev), table.to(dev), self.kv_planes).float()
+        if input_tokens is None:
+            tokens = torch.tensor([req.all_token_ids[req.num_computed_tokens] for req, _ in batch],
+                                  dtype=torch.long).to(dev)
+        else:
+            tokens = input_tokens.to(device=dev, dtype=torch.long)
+        return self.model.decode_static(tokens, positions.to(dev), table.to(dev), self.kv_planes).float()
 
     def _eager(self, batch: list[tuple[Request, int]]) -> torch.Tensor:
         if self.inputs is not None and self.inputs.fits(batch):

@@ -394,28 +394,59 @@ def _process_and_pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     return tokens
 
 
-def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> list[TokenLogprobs | None]:
-    """Raw-logit logprobs for the rows that asked for them (one batched log_softmax and top-k)."""
+def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 ``[N]`` tensor on ``device``; on a GPU copied from pinned memory without waiting
+    for the stream (a plain ``torch.tensor(..., device=...)`` waits for every kernel queued before it)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _logprob_tensors(logits: torch.Tensor, rows: list[SamplingRow],
+                     tokens: torch.Tensor) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    """The device half of :func:`_logprobs`: ``(want, ks, tensors)`` with ``want`` the rows that asked for
+    logprobs, ``ks`` their top counts and ``tensors`` ``[chosen_ids [W] int64, chosen [W] fp32]`` plus, when
+    some ``k > 0``, ``[top values [W, max k] fp32, top ids [W, max k] int64]`` (nothing read to the host)."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    out: list[TokenLogprobs | None] = [None] * len(rows)
     if not want:
-        return out
+        return want, [], []
     lp = torch.log_softmax(_select(logits, want).float(), dim=-1)
-    index = torch.tensor(want, dtype=torch.long, device=tokens.device)
+    index = device_index(want, tokens.device)
     chosen_ids = tokens.index_select(0, index)
-    chosen = lp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
+    chosen = lp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
     ks = [min(rows[i].params.logprobs or 0, lp.shape[-1]) for i in want]
-    top_v: list[list[float]] = [[] for _ in want]
-    top_i: list[list[int]] = [[] for _ in want]
+    tensors = [chosen_ids, chosen]
     if max(ks) > 0:
         values, indices = torch.topk(lp, max(ks), dim=-1)
-        top_v, top_i = values.tolist(), indices.tolist()
-    for n, (i, tok) in enumerate(zip(want, chosen_ids.tolist(), strict=True)):
+        tensors += [values, indices]
+    return want, ks, tensors
+
+
+def _logprob_entries(num_rows: int, want: list[int], ks: list[int],
+                     host: list[torch.Tensor]) -> list[TokenLogprobs | None]:
+    """The host half of :func:`_logprobs`: per row a :class:`TokenLogprobs` or None, from
+    :func:`_logprob_tensors`'s tensors (read here)."""
+    out: list[TokenLogprobs | None] = [None] * num_rows
+    if not want:
+        return out
+    chosen_ids, chosen = host[0].tolist(), host[1].tolist()
+    top_v: list[list[float]] = [[] for _ in want]
+    top_i: list[list[int]] = [[] for _ in want]
+    if len(host) > 2:
+        top_v, top_i = host[2].tolist(), host[3].tolist()
+    for n, (i, tok) in enumerate(zip(want, chosen_ids, strict=True)):
         k = ks[n]
         out[i] = TokenLogprobs(
             token_id=tok, logprob=chosen[n], top=list(zip(top_i[n][:k], top_v[n][:k], strict=True))
         )
     return out
+
+
+def _logprobs(logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+    """Raw-logit logprobs for the rows that asked for them (one batched log_softmax and top-k)."""
+    want, ks, tensors = _logprob_tensors(logits, rows, tokens)
+    return _logprob_entries(len(rows), want, ks, tensors)
 
 
 def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:
@@ -448,6 +479,19 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) 
             for t, c, i, v in zip(targets, chosen, top_i, top_v, strict=True)]
 
 
+def _pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Steps 1-9 of the module docstring but the logprobs: ``[B]`` int64 picks on ``logits.device``, queued,
+    not read. Raises ``ValueError`` as :func:`sample_rows`."""
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
+    tokens = logits.argmax(-1)  # the fast path, for every row at once
+    slow = [i for i, r in enumerate(rows) if r.needs_processing]
+    if slow:
+        x = logits[slow].float()  # advanced indexing: a private copy
+        tokens[slow] = _process_and_pick(x, [rows[i] for i in slow])
+    return tokens
+
+
 def sample_rows(logits: torch.Tensor, rows: list[SamplingRow],
                 before_read: Callable[[], None] | None = None) -> SamplerOutput:
     """Pick one token per row (see the module docstring for the pipeline and its sources).
@@ -464,17 +508,62 @@ def sample_rows(logits: torch.Tensor, rows: list[SamplingRow],
     Raises:
         ValueError: ``logits`` is not ``[len(rows), vocab]``, or a row bans the whole vocabulary.
     """
-    if logits.dim() != 2 or logits.shape[0] != len(rows):
-        raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
-    tokens = logits.argmax(-1)  # the fast path, for every row at once
-    slow = [i for i, r in enumerate(rows) if r.needs_processing]
-    if slow:
-        x = logits[slow].float()  # advanced indexing: a private copy
-        tokens[slow] = _process_and_pick(x, [rows[i] for i in slow])
+    tokens = _pick(logits, rows)
     if before_read is not None:
         before_read()
     logprobs = _logprobs(logits, rows, tokens)
     return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+
+class QueuedPicks:
+    """One step's picks and logprobs, queued on the device and not read yet (:func:`queue_picks`; the
+    engine's async scheduling reads them a step later).
+
+    Attributes:
+        tokens: ``[B]`` int64 picks on the logits' device, for the next step's inputs.
+    """
+
+    def __init__(self, tokens: torch.Tensor, num_rows: int, want: list[int], ks: list[int],
+                 host: list[torch.Tensor], ready):
+        self.tokens = tokens
+        self._num_rows, self._want, self._ks, self._host, self._ready = num_rows, want, ks, host, ready
+
+    def read(self) -> SamplerOutput:
+        """Wait for the picks and their copies to the host (only them, not work queued after them) and return
+        them: the same :class:`SamplerOutput` :func:`sample_rows` returns for the same logits and rows."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens, rest = self._host[0], self._host[1:]
+        return SamplerOutput(token_ids=tokens.tolist(),
+                             logprobs=_logprob_entries(self._num_rows, self._want, self._ks, rest))
+
+
+def queue_picks(logits: torch.Tensor, rows: list[SamplingRow], blocking: bool = False) -> QueuedPicks:
+    """:func:`sample_rows` without the read: queue the picks and the logprobs on the device, then their
+    copies to the host (into pinned buffers, behind an event, on a GPU), so that work queued after this
+    call (the next step's forward) does not delay :meth:`QueuedPicks.read`.
+
+    Args:
+        logits: ``[B, vocab]`` float logits (fp32 expected); not modified.
+        rows: ``B`` rows, ``rows[i]`` describing ``logits[i]``; each row's generator advances now, in call order.
+        blocking: on a GPU, :meth:`QueuedPicks.read` sleeps on a blocking CUDA event instead of spinning
+            (``EngineConfig.blocking_sync``).
+
+    Returns:
+        :class:`QueuedPicks`.
+
+    Raises:
+        ValueError: ``logits`` is not ``[len(rows), vocab]``, or a row bans the whole vocabulary.
+    """
+    tokens = _pick(logits, rows)
+    want, ks, tensors = _logprob_tensors(logits, rows, tokens)
+    ready = None
+    host = [tokens, *tensors]
+    if tokens.device.type == "cuda":  # transport only: the same values, read without a stream-wide sync
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in host]
+        ready = torch.cuda.Event(blocking=blocking)
+        ready.record()
+    return QueuedPicks(tokens, len(rows), want, ks, host, ready)
 
 
 def sample(

@@ -127,11 +127,13 @@ class Scheduler:
         return self.allocator.match_prefix(hashes), hashes
 
     def commit_computed(self, req: Request, num_new: int) -> None:
-        """Advance ``req`` by ``num_new`` computed tokens and register its newly full pages."""
+        """Advance ``req`` by ``num_new`` computed tokens and register its newly full pages whose token ids are
+        all known: a page completed by a token still being sampled on the device (async scheduling: the engine
+        computes it before it reads it) is registered by a later call, ``num_new = 0`` once the token is in."""
         req.num_computed_tokens += num_new
         if not self.allocator.enable_prefix_caching:
             return
-        full = req.num_computed_tokens // PAGE_SIZE
+        full = min(req.num_computed_tokens, req.num_tokens) // PAGE_SIZE
         if full > len(req.page_hashes):
             parent = req.page_hashes[-1] if req.page_hashes else None
             new = page_hashes(req.all_token_ids[: full * PAGE_SIZE], start=len(req.page_hashes), parent=parent)

@@ -127,9 +127,14 @@ class StepInputs:
             self._copied.synchronize()  # the previous step's copy has read the host buffer (normally long done)
         return self._host, self._staged
 
-    def build(self, batch: list[tuple[Request, int]], kernels: bool = True) -> tuple[torch.Tensor, AttentionMetadata]:
+    def build(self, batch: list[tuple[Request, int]], kernels: bool = True,
+              input_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
         """Flatten ``batch`` into ``input_ids [T]`` int32 and :class:`AttentionMetadata` (with its
         :class:`DeviceMetadata`), equal to :func:`~replicas.model_runner.build_metadata`'s.
+
+        ``input_tokens`` (``[len(batch)]`` int64 on the device, a pure-decode batch only) is copied into
+        ``input_ids`` on the device, behind the staging copy, in place of the requests' token ids (the
+        previous step's picks, not read by the host yet).
 
         Raises:
             ValueError: a request's block table does not cover its new tokens, or does not fit (:meth:`fits`).
@@ -144,7 +149,7 @@ class StepInputs:
             end = start + n
             if len(req.block_table) * PAGE_SIZE < end:
                 raise ValueError(f"request {req.request_id}: {len(req.block_table)} pages cannot hold {end} tokens")
-            ids += request_tokens(req, start, end)
+            ids += request_tokens(req, start, end) if input_tokens is None else [0] * n
             starts.append(start)
             query_start.append(query_start[-1] + n)
             context_lens.append(end)
@@ -164,6 +169,8 @@ class StepInputs:
             self._copied.record()
         o = 0
         input_ids, o = staged[o:o + t], o + t
+        if input_tokens is not None:
+            input_ids.copy_(input_tokens)  # device to device, queued after the staging copy it overwrites
         rows_t, o = staged[o:o + b].long(), o + b
         start_t, o = staged[o:o + b].long(), o + b
         qs_t, o = staged[o:o + b + 1], o + b + 1
