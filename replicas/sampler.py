@@ -137,6 +137,22 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``values`` (a list, or a CPU tensor) as a ``dtype`` tensor on ``device``. On a GPU the copy goes through
+    pinned memory and does not wait: ``torch.tensor(..., device=...)``, ``.to(device)`` of a pageable tensor
+    and indexing a GPU tensor with a Python list all copy and then wait for every kernel queued on the stream
+    before them (the forward just launched), which stalls the host for the whole step."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def device_index(values: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """``values`` as an int64 ``[N]`` index tensor on ``device``, without a wait (:func:`to_device`)."""
+    return to_device(values, torch.long, device)
+
+
 # --- batched building blocks ---------------------------------------------------------------
 #
 # All take and return ``[R, vocab]`` float tensors (R rows of the subset that
@@ -148,14 +164,14 @@ def _index_pairs(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[t
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
     rows = torch.repeat_interleave(torch.arange(len(seqs)), lengths)
     toks = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
-    return rows.to(device), toks.to(device)
+    return to_device(rows, torch.long, device), to_device(toks, torch.long, device)
 
 
 def apply_bans(logits: torch.Tensor, banned: Sequence[Iterable[int]]) -> torch.Tensor:
     """Set ``logits[j, t] = -inf`` for every ``t`` in ``banned[j]`` (ids outside the vocab are skipped)."""
     vocab = logits.shape[-1]
     rows, toks = _index_pairs([[t for t in b if 0 <= t < vocab] for b in banned], logits.device)
-    return logits.index_put((rows, toks), torch.tensor(_NEG_INF, dtype=logits.dtype, device=logits.device))
+    return logits.index_put((rows, toks), torch.full((), _NEG_INF, dtype=logits.dtype, device=logits.device))
 
 
 def apply_repetition_penalty(
@@ -179,7 +195,7 @@ def apply_repetition_penalty(
     rows, toks = _index_pairs(token_ids, logits.device)
     seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
     seen[rows, toks] = True
-    theta = torch.tensor(penalties, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    theta = to_device(penalties, logits.dtype, logits.device).unsqueeze(1)
     penalised = torch.where(logits > 0, logits / theta, logits * theta)
     return torch.where(seen, penalised, logits)
 
@@ -206,8 +222,8 @@ def apply_presence_frequency_penalties(
     rows, toks = _index_pairs(output_token_ids, logits.device)
     counts = torch.zeros(logits.shape, dtype=logits.dtype, device=logits.device)
     counts.index_put_((rows, toks), torch.ones(rows.shape, dtype=logits.dtype, device=logits.device), accumulate=True)
-    freq = torch.tensor(frequency, dtype=logits.dtype, device=logits.device).unsqueeze(1)
-    pres = torch.tensor(presence, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    freq = to_device(frequency, logits.dtype, logits.device).unsqueeze(1)
+    pres = to_device(presence, logits.dtype, logits.device).unsqueeze(1)
     return logits - (freq * counts + pres * (counts > 0).to(logits.dtype))
 
 
@@ -242,16 +258,16 @@ def apply_top_k_top_p(
         assert ks is not None
         kmax = max(k for k in ks if k < vocab)  # rows without top-k do not widen the partial sort
         values = torch.topk(logits, kmax, dim=-1).values
-        kth = values.gather(1, torch.tensor([min(k, kmax) - 1 for k in ks], device=device).unsqueeze(1))
-        off = torch.tensor([k == vocab for k in ks], device=device).unsqueeze(1)
+        kth = values.gather(1, device_index([min(k, kmax) - 1 for k in ks], device).unsqueeze(1))
+        off = to_device([k == vocab for k in ks], torch.bool, device).unsqueeze(1)
         kth = kth.masked_fill(off, _NEG_INF)
         return logits.masked_fill(logits < kth, _NEG_INF)
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     if ks is not None:
-        kth = sorted_logits.gather(1, torch.tensor(ks, device=device).sub(1).unsqueeze(1))
+        kth = sorted_logits.gather(1, device_index([k - 1 for k in ks], device).unsqueeze(1))
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
     probs = sorted_logits.softmax(-1)
-    p = torch.tensor(ps, dtype=probs.dtype, device=device).unsqueeze(1)
+    p = to_device(ps, probs.dtype, device).unsqueeze(1)
     drop = (probs.cumsum(-1) - probs) >= p
     drop[:, 0] = False  # the most likely token stays, even for a p that rounds to 0 in this dtype
     sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
@@ -274,7 +290,7 @@ def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
     Creative and Coherent LLM Outputs" (arXiv:2407.01082); HF ``MinPLogitsWarper``.
     """
     probs = logits.softmax(-1)
-    threshold = torch.tensor(min_p, dtype=probs.dtype, device=logits.device).unsqueeze(1) * probs.amax(-1, keepdim=True)
+    threshold = to_device(min_p, probs.dtype, logits.device).unsqueeze(1) * probs.amax(-1, keepdim=True)
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
@@ -290,7 +306,7 @@ def _select(x: torch.Tensor, positions: list[int]) -> torch.Tensor:
     """``x[positions]`` without a copy when ``positions`` is every row in order."""
     if len(positions) == x.shape[0] and positions == list(range(x.shape[0])):
         return x
-    return x[positions]
+    return x.index_select(0, device_index(positions, x.device))
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -339,7 +355,8 @@ def _process_and_pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
         for j in ban:
             if sum(1 for t in rows[j].banned_token_ids if 0 <= t < vocab) >= vocab:
                 raise ValueError("every token of the vocabulary is banned; nothing can be sampled")
-        x[ban] = apply_bans(x[ban], [rows[j].banned_token_ids for j in ban])
+        at = device_index(ban, x.device)
+        x[at] = apply_bans(x[at], [rows[j].banned_token_ids for j in ban])
     for j, row in grammar_only.items():  # the bans (min_tokens) took the grammar's last tokens: the grammar wins
         if bool(torch.isinf(x[j]).all()):
             x[j] = row
@@ -347,12 +364,14 @@ def _process_and_pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     rep = [j for j, r in enumerate(rows) if r.uses_repetition_penalty]
     if rep:
         seen = [list(rows[j].prompt_token_ids) + list(rows[j].output_token_ids) for j in rep]
-        x[rep] = apply_repetition_penalty(x[rep], seen, [rows[j].params.repetition_penalty for j in rep])
+        at = device_index(rep, x.device)
+        x[at] = apply_repetition_penalty(x[at], seen, [rows[j].params.repetition_penalty for j in rep])
     # 4. presence / frequency (output only)
     add = [j for j, r in enumerate(rows) if r.uses_additive_penalties]
     if add:
-        x[add] = apply_presence_frequency_penalties(
-            x[add],
+        at = device_index(add, x.device)
+        x[at] = apply_presence_frequency_penalties(
+            x[at],
             [rows[j].output_token_ids for j in add],
             [rows[j].params.presence_penalty for j in add],
             [rows[j].params.frequency_penalty for j in add],
@@ -361,13 +380,13 @@ def _process_and_pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
     greedy = [j for j, r in enumerate(rows) if r.params.is_greedy]
     if greedy:
-        tokens[greedy] = _select(x, greedy).argmax(-1)
+        tokens[device_index(greedy, x.device)] = _select(x, greedy).argmax(-1)
     rand = [j for j, r in enumerate(rows) if not r.params.is_greedy]
     if not rand:
         return tokens
     params = [rows[j].params for j in rand]
     # 6. temperature
-    temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device).unsqueeze(1)
+    temps = to_device([p.temperature for p in params], x.dtype, x.device).unsqueeze(1)
     y = _select(x, rand) / temps
     # 7. top-k, then top-p
     use_k = any(p.top_k and p.top_k < vocab for p in params)
@@ -379,28 +398,20 @@ def _process_and_pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     # 8. min-p
     mp = [i for i, p in enumerate(params) if p.min_p > 0]
     if mp:
-        y[mp] = apply_min_p(y[mp], [params[i].min_p for i in mp])
+        at = device_index(mp, y.device)
+        y[at] = apply_min_p(y[at], [params[i].min_p for i in mp])
     # 9. draw: unseeded rows in one call on the global RNG, seeded rows one by one
     probs = y.softmax(-1)
     drawn = torch.empty(len(rand), dtype=torch.long, device=x.device)
     unseeded = [i for i, j in enumerate(rand) if rows[j].generator is None]
     if unseeded:
-        drawn[unseeded] = draw(_select(probs, unseeded))
+        drawn[device_index(unseeded, x.device)] = draw(_select(probs, unseeded))
     for i, j in enumerate(rand):
         gen = rows[j].generator
         if gen is not None:
             drawn[i] = draw(probs[i], gen)
-    tokens[rand] = drawn
+    tokens[device_index(rand, x.device)] = drawn
     return tokens
-
-
-def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 ``[N]`` tensor on ``device``; on a GPU copied from pinned memory without waiting
-    for the stream (a plain ``torch.tensor(..., device=...)`` waits for every kernel queued before it)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _logprob_tensors(logits: torch.Tensor, rows: list[SamplingRow],
@@ -487,8 +498,9 @@ def _pick(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     tokens = logits.argmax(-1)  # the fast path, for every row at once
     slow = [i for i, r in enumerate(rows) if r.needs_processing]
     if slow:
-        x = logits[slow].float()  # advanced indexing: a private copy
-        tokens[slow] = _process_and_pick(x, [rows[i] for i in slow])
+        at = device_index(slow, logits.device)
+        x = logits.index_select(0, at).float()  # a private copy
+        tokens[at] = _process_and_pick(x, [rows[i] for i in slow])
     return tokens
 
 
