@@ -121,12 +121,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(row, flush=True)
         del core, prompts
         _free()
-    if args.results:
-        from benchmarks.results import write_result
+        if args.results:  # rewritten after every engine config: a run cut short keeps what it measured
+            from benchmarks.results import write_result
 
-        notes = ("Wall time per output token of one in-process standard engine, split by timing ModelRunner.execute "
-                 "(forward) and sample_rows (sample, with the token read); host is the rest of the step.")
-        print(f"wrote {write_result('engine_host', rows, args.results, notes=notes, tag=args.label)}")
+            notes = ("Wall time per output token of one in-process standard engine, split by timing "
+                     "ModelRunner.execute (forward) and sample_rows (sample, with the token read); host is the rest "
+                     "of the step.")
+            path = write_result('engine_host', rows, args.results, notes=notes, tag=args.label)
+    if args.results:
+        print(f"wrote {path}")
     return rows
 
 
