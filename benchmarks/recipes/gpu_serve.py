@@ -395,13 +395,16 @@ VARIANTS = {
     "direct_stream off": ({"direct_stream": False}, True),
     "4 ingress replicas": ({"ingress_replicas": 4}, False),
     "blocking_sync": ({"blocking_sync": True}, True),
+    "async_scheduling": ({"async_scheduling": True, "blocking_sync": True}, True),
 }
 """SmolLM2 served again on the same cluster with these app settings: ``label: (overrides, TTFT breakdown
 too)``. ``direct_stream off`` sends every chunk back through the replica and Ray (as before the direct
 output streams: their A/B in one session); ``4 ingress replicas`` spreads the streams' per-token CPU over
 four ingress processes (the standard lane's c=8/c=32 ceiling); ``blocking_sync`` has the standard engine sleep
 through each forward instead of spinning in the token read (``EngineConfig.blocking_sync``): its CPU per token
-beside the default's says how much of the engine actor's CPU was the spin."""
+beside the default's says how much of the engine actor's CPU was the spin; ``async_scheduling`` (with
+``blocking_sync``) launches each standard step before reading the last one's tokens (decision 0031), so the
+engine's sleep and its host work overlap the GPU's step."""
 
 
 def variant(recipe: Recipe, label: str) -> dict | None:
