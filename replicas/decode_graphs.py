@@ -85,7 +85,10 @@ class DecodeGraphs:
                 host[i, 0] = req.all_token_ids[pos]
             host[i, 1] = pos
             host[i, 2:2 + len(req.block_table)] = torch.tensor(req.block_table, dtype=torch.long)
-        buf["staging"].copy_(host, non_blocking=False)
+        if buf["staging"].is_cuda:  # pinned, not waited on: a pageable copy would wait for the queued steps
+            buf["staging"].copy_(host.pin_memory(), non_blocking=True)
+        else:
+            buf["staging"].copy_(host)
         if input_tokens is not None:
             buf["staging"][: len(batch), 0].copy_(input_tokens)
         graph.replay()
