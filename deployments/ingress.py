@@ -195,13 +195,14 @@ async def _prepend(items: list, stream):
 class OpenAIFrontend:
     """The OpenAI HTTP routes and everything they need: tokenizer, chat templates, request guard, router.
 
-    Not a deployment: :class:`OpenAIIngress` is one, with the app of :func:`openai_api`. A subclass calls
-    :meth:`_start_frontend` from its constructor.
+    Not a deployment: :class:`OpenAIIngress` (the two-deployment topology) and
+    :class:`~deployments.direct.DirectReplica` (``topology=direct``) are both one, with the app of
+    :func:`openai_api`. A subclass calls :meth:`_start_frontend` from its constructor.
     """
 
     def _start_frontend(self, config: AppConfig, persistent, standard, pool_view: bool = True) -> None:
         """Load the tokenizer and templates and make the router over ``persistent`` and ``standard`` (Serve
-        handles, or anything that answers like one).
+        handles, or anything that answers like one: :class:`~deployments.direct.LocalHandle`).
 
         Args:
             pool_view: the router watches the app's pool board (False: it knows only its own requests).
@@ -227,8 +228,9 @@ class OpenAIFrontend:
         self.router = Router(
             config.persistent_decoder, persistent if config.persistent_enabled else None, standard,
             self.max_model_len, config.spillover_wait_s, app_name=self.app_name if pool_view else None,
-            colocated=config.colocated_enabled,
-            wait_for_persistent=config.colocated_enabled or config.persistent_pool.min_replicas > 0,
+            colocated=config.colocated_enabled or config.direct,
+            wait_for_persistent=(config.colocated_enabled or config.direct
+                                 or config.persistent_pool.min_replicas > 0),
             direct_stream=config.direct_stream,
         )
         self.persistent, self.standard = persistent, standard
