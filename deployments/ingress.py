@@ -12,6 +12,10 @@ Tracing: each completion request gets a SERVER span ``POST <path>`` that
 continues the client's W3C ``traceparent`` header (or starts a trace) and ends
 when the last byte is streamed; the router's ``route`` span is its child.
 
+The handlers are methods of :class:`OpenAIFrontend`, registered on a fresh FastAPI app by :func:`openai_api`
+for each deployment that serves them: :class:`OpenAIIngress` (in front of the replica deployments) and
+:class:`~deployments.direct.DirectReplica` (``topology=direct``: the replica is its own ingress).
+
 A client can force the lane with the request header ``x-lane: standard`` (skip
 the persistent lane; not a fallback) or ``x-lane: persistent`` (the default
 choice for eligible requests; the response's ``x-lane`` says where it ran).

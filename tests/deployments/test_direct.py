@@ -100,3 +100,22 @@ def test_health_and_openai_errors(direct):
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json(), r.text
     assert_pages_returned(direct)
+
+
+def test_client_disconnect_stops_the_in_process_request_and_frees_its_pages(direct):
+    """A client leaving mid-stream cancels the in-process dispatch (``LocalStream.cancel``), which cancels the
+    engine's work: the one page pool is full again long before 900 tokens could be made, on either lane."""
+    for lane in ("persistent", "standard"):
+        body = {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 900, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{direct}/v1/chat/completions", json=body, headers={"x-lane": lane},
+                          timeout=60) as r:
+            assert r.headers["x-lane"] == lane
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: ")
+                if got >= 3:
+                    break
+            busy = pool_stats(direct)["colocated"]
+            assert busy["lanes"][lane]["kv_pages_in_use"] > 0, busy
+        assert_pages_returned(direct, timeout=8.0)
