@@ -117,12 +117,14 @@ def test_client_disconnect_stops_the_in_process_request_and_frees_its_pages(dire
         with httpx.stream("POST", f"{direct}/v1/chat/completions", json=body, headers={"x-lane": lane},
                           timeout=60) as r:
             assert r.status_code == 200 and r.headers["x-lane"] == lane
-            got = 0
+            got, seen = 0, []
             for line in r.iter_lines():
+                seen.append(line)
                 got += line.startswith("data: ")
                 if got >= 3:
                     break
+            assert not any('"error"' in line for line in seen), seen
             busy = pool_stats(direct)["colocated"]
-            assert busy["lanes"][lane]["kv_pages_in_use"] > 0, busy
+            assert busy["lanes"][lane]["kv_pages_in_use"] > 0, (lane, seen, busy["lanes"])
         assert_pages_returned(direct)
         assert 0 < made(lane) - before < asked, (lane, before, made(lane))
