@@ -37,7 +37,9 @@ Starts a local Ray cluster, deploys the app (the embedded model unless ``--model
 
 Usage: ``python -m benchmarks.hops --iters 200 --breakdown 20 --cpu-per-token 8``; the first bursts after
 start (``first_burst`` result with ``--out``): ``python -m benchmarks.hops --iters 0 --burst 8
---burst-lanes persistent,standard,persistent,standard --out benchmarks/results --label auto-first``
+--burst-lanes persistent,standard,persistent,standard --out benchmarks/results --label auto-first``; one topology's
+breakdown as a ``serve_hops`` result: ``python -m benchmarks.hops --iters 0 --breakdown 20 --max-tokens 16
+--topology direct --out benchmarks/results --label direct``
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def segments(record: dict, spans: list) -> dict[str, float] | None:
            "engine": float(ttft),
            "back": (record["chunks"][0] - first_out) / 1e9,
            "ttft": (record["chunks"][0] - record["sent"]) / 1e9}
+    out["added"] = out["ttft"] - out["engine"]  # what the way there and back adds to the engine's own TTFT
     entered = http.attributes.get(ATTR_INGRESS_HANDLER_NS)
     planned = http.attributes.get(ATTR_INGRESS_PLANNED_NS)
     if entered is not None and planned is not None:  # the ingress segment, split at the handler's marks
@@ -139,7 +142,8 @@ def _traced_segments(receiver, record: dict, deadline: float) -> dict[str, float
 def breakdown(base: str, receiver, model: str, n: int, max_tokens: int, lanes=LANES,
               prompt_token_ids: list[int] | None = None) -> dict[str, dict]:
     """``n`` streamed greedy requests per lane, one at a time (after 2 warm-ups); the median of each
-    segment (ms) per lane and the lane that served.
+    segment (ms) per lane, of ``ttft`` and of ``added`` (TTFT − the engine segment: what Serve's path adds), and
+    the lane that served.
 
     Chat requests (one short user message), or completions of ``prompt_token_ids`` when given (models
     without a chat template). The app must export its spans to ``receiver`` (an
@@ -168,7 +172,7 @@ def breakdown(base: str, receiver, model: str, n: int, max_tokens: int, lanes=LA
             if row is not None:
                 rows.append(row)
         optional = [k for k in INGRESS_PARTS + ("per_chunk_back",) if any(k in r for r in rows)]
-        keys = [*SEGMENTS, "ttft", *optional]
+        keys = [*SEGMENTS, "ttft", "added", *optional]
         out[lane] = {"requests": len(rows), "served": sorted({r["lane"] or "?" for r in records}),
                      **{k: round(statistics.median(r[k] for r in rows if k in r) * 1e3, 3) for k in keys if rows}}
     return out
@@ -351,8 +355,12 @@ def main(argv: list[str] | None = None) -> None:
                         "standard (persistent: the router's normal choice; standard: forced)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per breakdown request")
     p.add_argument("--out", default=None,
-                   help="with --burst, write the bursts' medians as a first_burst result into this folder")
-    p.add_argument("--label", default="", help="with --out, the result rows' label (and the file's tag)")
+                   help="with --burst, write the bursts' medians as a first_burst result into this folder; with "
+                        "--breakdown or --cpu-per-token, their rows as a serve_hops result")
+    p.add_argument("--label", default="", help="with --out, the result rows' label or variant (and the file's tag)")
+    p.add_argument("--topology", choices=("pools", "direct"), default=None,
+                   help="the app's topology (default: the app's, pools); direct: co-located replicas that are "
+                        "the ingress too")
     p.add_argument("--cpu-per-token", type=int, default=0, metavar="C",
                    help="also measure each process's CPU time per output token at concurrency C (standard lane)")
     p.add_argument("--model", default=None, help="the app's model (default: the embedded one)")
@@ -374,6 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     receiver = OTLPReceiver().start()
     app_args = {"progress": False, **({"model": args.model} if args.model else {}), **json.loads(args.app_args)}
+    if args.topology:
+        app_args["topology"] = args.topology
     if args.breakdown or args.burst:
         app_args.update(tracing_exporter="otlp", tracing_endpoint=receiver.endpoint, tracing_protocol="http/protobuf",
                         tracing_schedule_delay_ms=50)
@@ -411,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
                 out["http_1_token"].append(time.perf_counter() - t)
         return out
 
-    burst_rows = []
+    burst_rows, hop_rows = [], []
     for i, lane in enumerate(args.burst_lanes.split(",") if args.burst else ()):
         # x-lane persistent is the router's normal choice (auto); standard forces the standard lane
         print(f"\nBurst {i + 1} ({'first' if i == 0 else 'later'}; x-lane {lane}): {args.burst} concurrent "
@@ -439,12 +449,34 @@ def main(argv: list[str] | None = None) -> None:
     if args.breakdown:
         print(f"\nTTFT breakdown ({args.breakdown} streamed greedy requests per lane, {args.max_tokens} tokens; "
               "medians, ms)")
-        for lane, row in breakdown(base, receiver, model, args.breakdown, args.max_tokens).items():
+        got = breakdown(base, receiver, model, args.breakdown, args.max_tokens)
+        for lane, row in got.items():
             print(f"  {lane:10s} " + json.dumps(row))
+            hop_rows += [{"shape": model, "lane": lane, "variant": args.label or None, "concurrency": 1, "segment": seg,
+                          "ms": row[seg], "served": "+".join(row["served"]), "requests": row["requests"]}
+                         for seg in (*SEGMENTS, "ttft", "added", *INGRESS_PARTS) if seg in row]
     if args.cpu_per_token:
         c = args.cpu_per_token
         print(f"\nCPU per output token at concurrency {c} (standard lane, {4 * c} requests x 64 tokens; ms)")
-        print("  " + json.dumps(cpu_per_token(base, model, c, 4 * c, 64)))
+        cpu = cpu_per_token(base, model, c, 4 * c, 64)
+        print("  " + json.dumps(cpu))
+        hop_rows += [{"shape": model, "lane": "standard", "variant": args.label or None, "concurrency": c,
+                      "process": role, "cpu_ms_per_token": ms, "output_tok_s": cpu["output_tok_s"]}
+                     for role, ms in cpu.items() if role not in ("concurrency", "output_tok_s", "chunks_per_token")]
+    if args.out and hop_rows:
+        from benchmarks.results import write_result
+
+        env = {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}
+        path = write_result("serve_hops", hop_rows, args.out, tag=args.label, notes=(
+            f"{model}, app arguments {json.dumps({k: v for k, v in app_args.items() if 'tracing' not in k})}, "
+            f"Ray Serve environment {json.dumps(env)}. Segment rows: medians of {args.breakdown} streamed greedy "
+            f"requests one at a time per lane (x-lane header forcing it), {args.max_tokens} tokens each "
+            "(ignore_eos), each request's spans on one clock, ms (to_ingress: client to the HTTP span; ingress: to "
+            "the router's route span; to_replica: to replica.generate; to_engine: to the engine's generation span; "
+            "engine: its own time to first token; back: first token to the client; ttft: client; added: ttft - "
+            "engine, per request). CPU rows: each serving process's CPU time per output token of the standard "
+            f"lane, {4 * args.cpu_per_token} requests x 64 tokens at that concurrency."))
+        print(f"wrote {path}")
     serve.shutdown()
     ray.shutdown()
     receiver.stop()

@@ -3,7 +3,8 @@
 ``serve run deployments.app:app`` serves the embedded default model with
 ``--persistent-decoder auto``; ``serve run deployments.app:build_app
 persistent-decoder=off model=/path/to/hf-dir`` passes arguments; ``colocated=true`` deploys one
-co-located pool (both lanes per replica) instead of the two pools.
+co-located pool (both lanes per replica) instead of the two pools; ``topology=direct`` deploys only co-located
+replicas that are also the HTTP ingress (:mod:`deployments.direct`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ def build_app(args: dict | AppConfig | None = None) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.from_args(args)
     prepare_serve_run_driver(console_tracing(config), config.engine.model)  # serve run's own process: model and
     # port checks, whole spans
+    if config.direct:  # one deployment: co-located replicas that are the ingress too, each routing to its own engine
+        from deployments.direct import DirectReplica
+
+        return _pool(DirectReplica, config, config.standard_pool, extra_ongoing=1)
     if config.colocated_enabled:  # one deployment, both lanes: the router calls its two entries
         both = _pool(ColocatedReplica, config, config.standard_pool, extra_ongoing=1)
         return OpenAIIngress.options(ray_actor_options={"num_cpus": REPLICA_CPUS}, num_replicas=config.ingress_replicas,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import types
 import typing
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -70,6 +70,15 @@ class AppConfig(BaseModel):
         "the standard_pool options (one more ongoing request, for the persistent lane); persistent_pool is "
         "unused. Needs persistent-decoder auto or required (off deploys the standard pool alone).",
     )
+    topology: Literal["pools", "direct"] = Field(
+        "pools", description="pools: an ingress deployment (HTTP, templates, the router) in front of the replica "
+        "deployments, each request one Serve handle call from the ingress to a replica (colocated picks which "
+        "replicas). direct: the app is one deployment of co-located replicas that are also the HTTP ingress; each "
+        "replica routes its requests to its own engine's lanes, in process (docs/architecture.md, Topologies). "
+        "Its replicas take the standard_pool options (one more ongoing request, for the persistent lane); "
+        "Serve's proxy (or HAProxy) spreads requests over them; ingress_replicas and persistent_pool are unused. "
+        "Needs persistent-decoder auto or required.",
+    )
     ingress_replicas: int = Field(
         1, ge=1, description="Ingress replicas (HTTP, templates, the router; like vLLM's --api-server-count): "
         "each one spends CPU on every streamed token (docs/decisions/0004-ingress-replicas.md has the H200 figure), "
@@ -125,7 +134,11 @@ class AppConfig(BaseModel):
     def _check(self) -> AppConfig:
         if self.standard_pool.max_replicas < 1:
             raise ValueError("the standard pool needs at least one replica (max_replicas >= 1)")
-        if self.persistent_decoder is Mode.REQUIRED and self.persistent_pool.max_replicas < 1 and not self.colocated:
+        if self.direct and self.persistent_decoder is Mode.OFF:
+            raise ValueError("topology=direct needs persistent-decoder auto or required (with off, use the default "
+                             "topology=pools)")
+        if (self.persistent_decoder is Mode.REQUIRED and self.persistent_pool.max_replicas < 1 and not self.colocated
+                and not self.direct):
             raise ValueError("persistent-decoder=required needs at least one persistent replica")
         ckpt = self.persistent_decoder_checkpoint
         if self.persistent_decoder is Mode.REQUIRED and ckpt is not None:
@@ -139,8 +152,13 @@ class AppConfig(BaseModel):
         return self
 
     @property
+    def direct(self) -> bool:
+        """The app is one deployment of co-located replicas that are also the ingress (``topology=direct``)."""
+        return self.topology == "direct"
+
+    @property
     def persistent_enabled(self) -> bool:
-        if self.colocated:
+        if self.colocated or self.direct:
             return self.persistent_decoder is not Mode.OFF
         return self.persistent_decoder is not Mode.OFF and self.persistent_pool.max_replicas > 0
 

@@ -12,6 +12,10 @@ Tracing: each completion request gets a SERVER span ``POST <path>`` that
 continues the client's W3C ``traceparent`` header (or starts a trace) and ends
 when the last byte is streamed; the router's ``route`` span is its child.
 
+The handlers are methods of :class:`OpenAIFrontend`, registered on a fresh FastAPI app by :func:`openai_api`
+for each deployment that serves them: :class:`OpenAIIngress` (in front of the replica deployments) and
+:class:`~deployments.direct.DirectReplica` (``topology=direct``: the replica is its own ingress).
+
 A client can force the lane with the request header ``x-lane: standard`` (skip
 the persistent lane; not a fallback) or ``x-lane: persistent`` (the default
 choice for eligible requests; the response's ``x-lane`` says where it ran).
@@ -82,19 +86,14 @@ from replicas.messages import GenerateRequest, GenerationError
 from replicas.output_processor import with_text
 
 logger = logging.getLogger(__name__)
-api = FastAPI(title="persistent-serve", version="0.1.0")
 LANE_HEADER = "x-lane"
 """Response header naming the lane that served; as a request header, forces a lane."""
 FORCEABLE_LANES = ("standard", "persistent")
 
 
 def _replica_guard() -> RequestGuard:
-    """The running ingress replica's keys and limits (``deployments/security.py``)."""
+    """The running replica's keys and limits (``deployments/security.py``)."""
     return serve.get_replica_context().servable_object.guard
-
-
-# API keys, body size and timeouts, HTTP/1.0 framing: before FastAPI reads the body.
-api.add_middleware(RequestGuardMiddleware, guard=_replica_guard)
 
 
 def _error_response(exc: OpenAIError) -> Response:
@@ -103,20 +102,44 @@ def _error_response(exc: OpenAIError) -> Response:
                     media_type="application/json")
 
 
-@api.exception_handler(OpenAIError)
 async def _openai_error(_: Request, exc: OpenAIError):
     return _error_response(exc)
 
 
-@api.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError):
     return _error_response(validation_error(exc.errors()))
 
 
-@api.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, exc: StarletteHTTPException):
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return _error_response(OpenAIError(str(exc.detail), status=exc.status_code, type_=kind))
+
+
+def _route(method: str, path: str):
+    """Mark an :class:`OpenAIFrontend` method as the handler of ``method path`` (:func:`openai_api` registers it)."""
+    def mark(fn):
+        fn._openai_route = (method, path)
+        return fn
+    return mark
+
+
+def openai_api() -> FastAPI:
+    """A fresh FastAPI app with the OpenAI routes of :class:`OpenAIFrontend`, the request guard (API keys, body size
+    and timeouts, HTTP/1.0 framing, before FastAPI reads the body) and the OpenAI-style error handlers.
+
+    One app per Serve deployment class: ``serve.ingress`` rewrites the routes of the app it is given (its methods
+    get ``self`` injected as the running replica's object), so two deployments must not share one.
+    """
+    app = FastAPI(title="persistent-serve", version="0.1.0")
+    app.add_middleware(RequestGuardMiddleware, guard=_replica_guard)
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    for fn in vars(OpenAIFrontend).values():
+        route = getattr(fn, "_openai_route", None)
+        if route is not None:
+            app.add_api_route(route[1], fn, methods=[route[0]])
+    return app
 
 
 _SUMMED = ("kv_pages_total", "kv_pages_free", "running", "waiting", "tokens_generated")
@@ -173,12 +196,24 @@ async def _prepend(items: list, stream):
         await stream.aclose()
 
 
-@serve.deployment(name="OpenAIIngress", max_ongoing_requests=256)
-@serve.ingress(api)
-class OpenAIIngress:
-    """The HTTP front door. Holds the tokenizer and the router."""
+class OpenAIFrontend:
+    """The OpenAI HTTP routes and everything they need: tokenizer, chat templates, request guard, router.
 
-    def __init__(self, config: AppConfig, persistent, standard):
+    Not a deployment: :class:`OpenAIIngress` (the two-deployment topology) and
+    :class:`~deployments.direct.DirectReplica` (``topology=direct``) are both one, with the app of
+    :func:`openai_api`. A subclass calls :meth:`_start_frontend` from its constructor.
+    """
+
+    def _start_frontend(self, config: AppConfig, persistent, standard, pool_view: bool = True) -> None:
+        """Load the tokenizer and templates and make the router over ``persistent`` and ``standard`` (Serve
+        handles, or anything that answers like one: :class:`~deployments.direct.LocalHandle`).
+
+        Args:
+            pool_view: the router watches the app's pool board (False: it knows only its own requests).
+
+        Raises:
+            OSError: the model's tokenizer files cannot be read.
+        """
         from transformers import AutoTokenizer
 
         from replicas.models.loader import resolve_model
@@ -196,15 +231,16 @@ class OpenAIIngress:
         self.chat_planner = ChatPlanner(self.tokenizer, model_dir, config.harmony_start_date, encoder=self.encoder)
         self.router = Router(
             config.persistent_decoder, persistent if config.persistent_enabled else None, standard,
-            self.max_model_len, config.spillover_wait_s, app_name=self.app_name,
-            colocated=config.colocated_enabled,
-            wait_for_persistent=config.colocated_enabled or config.persistent_pool.min_replicas > 0,
+            self.max_model_len, config.spillover_wait_s, app_name=self.app_name if pool_view else None,
+            colocated=config.colocated_enabled or config.direct,
+            wait_for_persistent=(config.colocated_enabled or config.direct
+                                 or config.persistent_pool.min_replicas > 0),
             direct_stream=config.direct_stream,
         )
         self.persistent, self.standard = persistent, standard
 
     # ---- endpoints -------------------------------------------------------------------------
-    @api.get("/health")
+    @_route("GET", "/health")
     async def health(self):
         """200 once the router has reached every pool it routes to; until then 503 naming the missing ones.
         Answers within about 20 ms plus the proxy hop (``Router.readiness``: the pools are probed in the background)."""
@@ -219,19 +255,19 @@ class OpenAIIngress:
         return {"id": self.model_name, "object": "model", "created": now(), "owned_by": "persistent-serve",
                 "max_model_len": self.max_model_len}
 
-    @api.get("/v1/models")
+    @_route("GET", "/v1/models")
     async def models(self):
         """OpenAI's model list: the one served model."""
         return {"object": "list", "data": [self._model_card()]}
 
-    @api.get("/v1/models/{model_id:path}")
+    @_route("GET", "/v1/models/{model_id:path}")
     async def model(self, model_id: str):
         """OpenAI's ``GET /v1/models/{id}`` (``client.models.retrieve``): the served model's card, else a 404
         ``model_not_found``."""
         self._check_model(model_id)
         return self._model_card()
 
-    @api.get("/debug/stats")
+    @_route("GET", "/debug/stats")
     async def stats(self):
         """KV page accounting per lane, summed over every live engine of this app, plus router counters.
 
@@ -249,18 +285,18 @@ class OpenAIIngress:
         out["security"] = self.guard.stats()
         return out
 
-    @api.post("/v1/chat/completions")
+    @_route("POST", "/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest, request: Request):
         entered = time.time_ns()
         self._check_common(body)
         plan = await asyncio.to_thread(self.chat_planner.plan, body)  # templating + tokenizing off the event loop
         return await self._serve(body, plan.token_ids, chat=True, http=request, plan=plan, entered_ns=entered)
 
-    @api.post("/v1/responses")
+    @_route("POST", "/v1/responses")
     async def responses(self, body: ResponsesRequest, request: Request):
         return await serve_responses(self, body, request)
 
-    @api.post("/v1/completions")
+    @_route("POST", "/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         entered = time.time_ns()
         self._check_common(body)
@@ -276,12 +312,12 @@ class OpenAIIngress:
         return await self._serve(body, prompts[0][0], chat=False, echo=prompts[0][1], http=request,
                                  prompts=prompts if len(prompts) > 1 else None, entered_ns=entered)
 
-    @api.get("/tokenizer_info")
+    @_route("GET", "/tokenizer_info")
     async def tokenizer_info(self):
         """vLLM's ``GET /tokenizer_info`` (lm-eval's remote tokenizer reads it): see ``tokenize_api``."""
         return tokenizer_info(self.tokenizer, self.max_model_len)
 
-    @api.post("/tokenize")
+    @_route("POST", "/tokenize")
     async def tokenize(self, body: TokenizeRequest):
         """vLLM's ``POST /tokenize``: a prompt's ids, or the ids the chat endpoint counts as ``prompt_tokens`` for
         ``messages`` (with ``tools``, ``tool_choice``, ``reasoning_effort``, ``response_format``: for a harmony
@@ -298,7 +334,7 @@ class OpenAIIngress:
             return tokenize_result(self.tokenizer, ids, self.max_model_len, body.return_token_strs)
         return await asyncio.to_thread(tokenize, self.encoder, body, self.max_model_len)
 
-    @api.post("/detokenize")
+    @_route("POST", "/detokenize")
     async def detokenize(self, body: DetokenizeRequest):
         self._check_model(body.model)
         return await asyncio.to_thread(detokenize, self.tokenizer, body)
@@ -437,3 +473,14 @@ class OpenAIIngress:
                 headers=headers,
             )
         return JSONResponse(await fmt.collect(first, rest, body.n, **batched), headers=headers)
+
+
+@serve.deployment(name="OpenAIIngress", max_ongoing_requests=256)
+@serve.ingress(openai_api())
+class OpenAIIngress(OpenAIFrontend):
+    """The HTTP front door of the two-deployment topology: holds the tokenizer and the router, which sends each
+    request to a replica deployment through its Serve handle (``persistent``/``standard``; co-located: the one
+    pool's handle twice)."""
+
+    def __init__(self, config: AppConfig, persistent, standard):
+        self._start_frontend(config, persistent, standard)

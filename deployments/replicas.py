@@ -295,9 +295,9 @@ class StandardReplica(_EngineReplica):
     lane = "standard"
 
 
-@serve.deployment(name="ColocatedReplica", max_ongoing_requests=65, health_check_period_s=5)
-class ColocatedReplica(_EngineReplica):
-    """Both lanes over one engine (one copy of the weights, one KV page pool): one replica per GPU."""
+class ColocatedEngineReplica(_EngineReplica):
+    """Both lanes over one engine (one copy of the weights, one KV page pool): the body of
+    :class:`ColocatedReplica` and of :class:`~deployments.direct.DirectReplica` (not a deployment itself)."""
 
     lane = "colocated"
 
@@ -322,3 +322,9 @@ class ColocatedReplica(_EngineReplica):
         self._unhealthy_since = self._unhealthy_since or now
         if record.standard_idle or now - self._unhealthy_since >= COLOCATED_DRAIN_S:
             raise RuntimeError(f"persistent decoder unhealthy: {record.unhealthy_reason}")
+
+
+@serve.deployment(name="ColocatedReplica", max_ongoing_requests=65, health_check_period_s=5)
+class ColocatedReplica(ColocatedEngineReplica):
+    """Both lanes over one engine (one copy of the weights, one KV page pool): one replica per GPU, called by the
+    ingress's router through its Serve handle."""

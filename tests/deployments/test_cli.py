@@ -63,3 +63,16 @@ def test_help_shows_every_default():
     for flag, text in helps.items():
         assert flag == "-h" or "default" in text, flag
     assert "(default: " in build_parser().format_help()  # argparse formats them (no stray %)
+
+
+def test_topology_is_a_choice_and_direct_needs_the_persistent_decoder(capsys):
+    args = parse_args(["--topology", "direct"])
+    args.pop("host"), args.pop("port")
+    config = AppConfig.from_args(args)
+    assert config.direct and config.persistent_enabled and not config.colocated
+    assert not AppConfig().direct  # pools by default
+    with pytest.raises(SystemExit):
+        parse_args(["--topology", "mesh"])
+    assert "invalid choice: 'mesh'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="topology=direct needs persistent-decoder auto or required"):
+        AppConfig.from_args({"topology": "direct", "persistent_decoder": "off"})
