@@ -137,6 +137,26 @@ def pool_stats(base: str) -> dict:
     return httpx.get(f"{base}/debug/stats", timeout=30).json()
 
 
+def assert_busy_persistent_lane_spills_at_once(base: str, messages: list[dict]) -> None:
+    """Three greedy chats at once to a one-engine app (co-located or ``topology=direct``): its persistent lane
+    serves one, the other two spill to its standard lane at once (two spillovers counted), every page back."""
+    import asyncio
+
+    before = pool_stats(base)["router"]["spillovers"]
+
+    async def main():
+        async with httpx.AsyncClient() as c:
+            return await asyncio.gather(*(c.post(f"{base}/v1/chat/completions", timeout=300, json={
+                "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 24, "ignore_eos": True})
+                for _ in range(3)))
+
+    responses = asyncio.run(main())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert sorted(r.headers["x-lane"] for r in responses) == ["persistent", "standard", "standard"]
+    assert pool_stats(base)["router"]["spillovers"] - before == 2
+    assert_pages_returned(base)
+
+
 def assert_pages_returned(base: str, timeout: float = 10.0) -> dict:
     """Poll ``/debug/stats`` until every lane's KV pool is full again; fail if it never is."""
     deadline = time.monotonic() + timeout

@@ -7,7 +7,12 @@ import asyncio
 import httpx
 import pytest
 
-from tests.deployments.conftest import MODEL, assert_pages_returned, extra_app, pool_stats
+from tests.deployments.conftest import (
+    MODEL,
+    assert_busy_persistent_lane_spills_at_once,
+    assert_pages_returned,
+    extra_app,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -69,18 +74,7 @@ def test_one_replica_serves_both_lanes_with_the_separate_replicas_tokens(colocat
 
 
 def test_a_busy_colocated_persistent_lane_spills_at_once(colocated):
-    before = pool_stats(colocated)["router"]["spillovers"]
-
-    async def main():
-        async with httpx.AsyncClient() as c:
-            return await asyncio.gather(*(_chat(c, colocated, temperature=0, max_tokens=24, ignore_eos=True)
-                                          for _ in range(3)))
-
-    responses = asyncio.run(main())
-    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
-    assert sorted(r.headers["x-lane"] for r in responses) == ["persistent", "standard", "standard"]
-    assert pool_stats(colocated)["router"]["spillovers"] - before == 2
-    assert_pages_returned(colocated)
+    assert_busy_persistent_lane_spills_at_once(colocated, ASK)
 
 
 def test_what_each_lane_costs_the_other_on_one_replica(colocated):

@@ -9,7 +9,13 @@ import json
 import httpx
 import pytest
 
-from tests.deployments.conftest import MODEL, assert_pages_returned, extra_app, pool_stats
+from tests.deployments.conftest import (
+    MODEL,
+    assert_busy_persistent_lane_spills_at_once,
+    assert_pages_returned,
+    extra_app,
+    pool_stats,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -68,18 +74,7 @@ def test_one_deployment_serves_both_lanes_with_the_two_pool_apps_tokens(direct, 
 
 
 def test_a_busy_persistent_lane_spills_to_the_standard_lane_of_the_same_replica(direct):
-    before = pool_stats(direct)["router"]["spillovers"]
-
-    async def main():
-        async with httpx.AsyncClient() as c:
-            return await asyncio.gather(*(_chat(c, direct, temperature=0, max_tokens=24, ignore_eos=True)
-                                          for _ in range(3)))
-
-    responses = asyncio.run(main())
-    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
-    assert sorted(r.headers["x-lane"] for r in responses) == ["persistent", "standard", "standard"]
-    assert pool_stats(direct)["router"]["spillovers"] - before == 2
-    assert_pages_returned(direct)
+    assert_busy_persistent_lane_spills_at_once(direct, ASK)
 
 
 def test_health_and_openai_errors(direct):
