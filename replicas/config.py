@@ -126,8 +126,9 @@ class EngineConfig(BaseModel):
     async_scheduling: bool = Field(
         False, description="Standard lane: launch the next decode step before reading the previous step's "
         "sampled tokens (its decode rows take their input tokens from the device), so the host's scheduling "
-        "and launch work overlaps the GPU's forward; tokens, logprobs and finish reasons are the same as "
-        "without it. Only batches where that is safe run ahead (LLMEngine._plan_ahead: no penalties, "
+        "and launch work overlaps the GPU's forward. With batch_invariant every chunk is the same as without "
+        "it, bit for bit; otherwise a row that ends on a stop id rides one step ahead (its result dropped) and "
+        "that step's other rows may differ in their last bits, as with any change of batch. Only batches where that is safe run ahead (LLMEngine._plan_ahead: no penalties, "
         "structured output or min_tokens ban, nothing waiting, no prefill chunk, pages free); the rest take "
         "the synchronous step. With blocking_sync the read of the previous tokens sleeps on an event. Off "
         "until measured on a GPU (decision 0031).",
