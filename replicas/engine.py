@@ -130,7 +130,9 @@ class LLMEngine:
 
         A step in flight for it (async scheduling) still runs on the device and writes its KV into the
         freed pages; any step that reuses them is queued behind it on the same stream, so it sees them
-        after that write. The step's pick for it is dropped when read: no chunk follows the abort."""
+        after that write. The step's pick for it is dropped when read: no chunk follows the abort. A step in
+        flight with no live row left is forgotten at once (nothing of it will be read), so aborting every
+        request leaves ``has_unfinished()`` False, as without async scheduling."""
         children = self._children.pop(request_id, None)
         if children is None:
             return False
@@ -138,6 +140,9 @@ class LLMEngine:
             tracked = self._tracked.pop(seq_id, None)
             if tracked is not None:
                 self.scheduler.finish(tracked.req)
+        held = self._inflight
+        if held is not None and not any(self._tracked.get(t.req.request_id) is t for t in held.rows):
+            self._inflight = None
         return True
 
     @property

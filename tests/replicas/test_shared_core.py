@@ -81,8 +81,8 @@ def _checked(core) -> list:
     inputs, steps = core.runner.inputs, []
     build = inputs.build
 
-    def checked(batch, kernels=True):
-        input_ids, meta = build(batch, kernels)
+    def checked(batch, kernels=True, input_tokens=None):
+        input_ids, meta = build(batch, kernels, input_tokens)
         _check_step(core, batch, input_ids, meta, steps)
         return input_ids, meta
 
