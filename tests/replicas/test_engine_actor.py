@@ -103,11 +103,11 @@ def test_a_failed_engine_step_fails_every_request_the_engine_holds_and_the_repli
     real_execute = runner.execute
     calls = {"n": 0}
 
-    def fail_third_step(batch):
+    def fail_third_step(batch, **kwargs):  # kwargs: input_tokens, with async scheduling
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected device fault")
-        return real_execute(batch)
+        return real_execute(batch, **kwargs)
 
     async def scenario():
         runner.execute = fail_third_step
