@@ -636,9 +636,9 @@ def _sweep(rep: Report, args, core, shape: str = "gpt-oss-120b", invariant: bool
     steps: list[tuple[int, int]] = []  # (sequences, tokens) of every forward
     execute = core.runner.execute
 
-    def recording(batch):
+    def recording(batch, **kwargs):  # kwargs: input_tokens (async scheduling)
         steps.append((len(batch), sum(n for _, n in batch)))
-        return execute(batch)
+        return execute(batch, **kwargs)
 
     core.runner.execute = recording
     rows = []

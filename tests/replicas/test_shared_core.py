@@ -43,10 +43,10 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _check_step(core, batch, input_ids, meta, steps: list) -> None:
+def _check_step(core, batch, input_ids, meta, steps: list, input_tokens=None) -> None:
     """The bounds and list-path checks of one step's tensor inputs (see the module docstring)."""
     cache_slots = core.kv_cache.num_blocks * PAGE_SIZE
-    ids_l, meta_l = build_metadata(batch, "cpu")
+    ids_l, meta_l = build_metadata(batch, "cpu", input_tokens)
     assert input_ids.long().tolist() == ids_l.tolist()
     assert meta.positions.tolist() == meta_l.positions.tolist()
     assert meta.slot_mapping.tolist() == meta_l.slot_mapping.tolist()
@@ -83,7 +83,7 @@ def _checked(core) -> list:
 
     def checked(batch, kernels=True, input_tokens=None):
         input_ids, meta = build(batch, kernels, input_tokens)
-        _check_step(core, batch, input_ids, meta, steps)
+        _check_step(core, batch, input_ids, meta, steps, input_tokens)
         return input_ids, meta
 
     inputs.build = checked
