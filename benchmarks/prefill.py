@@ -680,9 +680,9 @@ def _sweep(rep: Report, args, core, shape: str = "gpt-oss-120b", invariant: bool
               f"decodes; decode steps replay CUDA graphs (buckets {graphs.batch_sizes if graphs else None}, captured up front in "
               f"{capture_s:.0f} s; failed to capture: {failed}). Step floor: dense weights + the expected distinct "
               f"experts of c tokens (uniform routing) + the KV at the mean context, at {args.bandwidth_tbps} TB/s. "
-              "The note gives the median number of distinct token ids the c rows emitted per decode step: rows "
-              "that emit the same token route alike in the first layer, so few distinct tokens would mean the "
-              "step reads fewer experts than the floor assumes.")
+              "The note gives the median number of distinct token ids the c rows emitted per decode step: a hint, "
+              "not a count of experts. Rows that keep emitting the same tokens tend to route alike, so few "
+              "distinct tokens would suggest the step reads fewer experts than the floor's uniform routing assumes.")
 
 
 def _sweep_one(core, c: int, args, steps: list) -> list:
@@ -709,7 +709,7 @@ def _sweep_one(core, c: int, args, steps: list) -> list:
         step_ms.append((now - a) * 1e3)
         for chunk in out:
             stamps.setdefault(chunk.request_id, []).append(now)
-        if len(out) == c:  # rows' tokens: greedy random-weight rows that agree route to the same experts
+        if len(out) == c:  # greedy random-weight rows that keep agreeing may route alike (fewer experts read)
             distinct.append(len({chunk.token_ids[0] for chunk in out}))
     dur = time.perf_counter() - t_start
     itl = sorted((b - a) * 1e3 for s in stamps.values() for a, b in zip(s, s[1:], strict=False))
