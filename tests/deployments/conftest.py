@@ -137,6 +137,17 @@ def pool_stats(base: str) -> dict:
     return httpx.get(f"{base}/debug/stats", timeout=30).json()
 
 
+ASK = [{"role": "user", "content": "Count from one to fifty in words."}]
+"""A chat that runs to ``max_tokens`` on the embedded model (the one-engine apps' tests)."""
+
+
+async def chat(client: httpx.AsyncClient, base: str, lane: str | None = None, **body) -> httpx.Response:
+    """POST :data:`ASK` to ``base``'s chat completions with ``body``'s fields, the lane forced by ``x-lane`` if
+    given."""
+    return await client.post(f"{base}/v1/chat/completions", timeout=300, headers={"x-lane": lane} if lane else {},
+                             json={"model": MODEL, "messages": ASK, **body})
+
+
 def assert_busy_persistent_lane_spills_at_once(base: str, messages: list[dict]) -> None:
     """Three greedy chats at once to a one-engine app (co-located or ``topology=direct``): its persistent lane
     serves one, the other two spill to its standard lane at once (two spillovers counted), every page back."""

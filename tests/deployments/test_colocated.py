@@ -8,26 +8,20 @@ import httpx
 import pytest
 
 from tests.deployments.conftest import (
+    ASK,
     MODEL,
     assert_busy_persistent_lane_spills_at_once,
     assert_pages_returned,
+    chat,
     extra_app,
 )
 
 pytestmark = pytest.mark.ray
 
-ASK = [{"role": "user", "content": "Count from one to fifty in words."}]
-
-
 @pytest.fixture(scope="module")
 def colocated(server, otlp):
     with extra_app(server, otlp, "coloc", colocated=True) as base:
         yield base
-
-
-async def _chat(client: httpx.AsyncClient, base: str, lane: str | None = None, **body) -> httpx.Response:
-    return await client.post(f"{base}/v1/chat/completions", timeout=300, headers={"x-lane": lane} if lane else {},
-                             json={"model": MODEL, "messages": ASK, **body})
 
 
 def test_one_replica_serves_both_lanes_with_the_separate_replicas_tokens(colocated, server):
@@ -45,11 +39,11 @@ def test_one_replica_serves_both_lanes_with_the_separate_replicas_tokens(colocat
 
     async def main():
         async with httpx.AsyncClient() as c:
-            reference = await _chat(c, server, **greedy)  # the two-pool session app, persistent lane
+            reference = await chat(c, server, **greedy)  # the two-pool session app, persistent lane
             stop = asyncio.Event()
             watcher = asyncio.ensure_future(watch(stop))
-            both = await asyncio.gather(_chat(c, colocated, **greedy), _chat(c, colocated, "standard", **greedy),
-                                        _chat(c, colocated, temperature=0.9, seed=1, max_tokens=16))
+            both = await asyncio.gather(chat(c, colocated, **greedy), chat(c, colocated, "standard", **greedy),
+                                        chat(c, colocated, temperature=0.9, seed=1, max_tokens=16))
             stop.set()
             await watcher
             return reference, both

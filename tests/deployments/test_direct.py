@@ -10,28 +10,22 @@ import httpx
 import pytest
 
 from tests.deployments.conftest import (
+    ASK,
     MODEL,
     assert_busy_persistent_lane_spills_at_once,
     assert_pages_returned,
+    chat,
     extra_app,
     pool_stats,
 )
 
 pytestmark = pytest.mark.ray
 
-ASK = [{"role": "user", "content": "Count from one to fifty in words."}]
-
-
 @pytest.fixture(scope="module")
 def direct(server, otlp):
     # a context long enough for a stream that outlives the disconnect test's reads by seconds
     with extra_app(server, otlp, "direct", topology="direct", max_model_len=1024, num_kv_blocks=96) as base:
         yield base
-
-
-async def _chat(client: httpx.AsyncClient, base: str, lane: str | None = None, **body) -> httpx.Response:
-    return await client.post(f"{base}/v1/chat/completions", timeout=300, headers={"x-lane": lane} if lane else {},
-                             json={"model": MODEL, "messages": ASK, **body})
 
 
 def test_one_deployment_serves_both_lanes_with_the_two_pool_apps_tokens(direct, server):
@@ -44,10 +38,10 @@ def test_one_deployment_serves_both_lanes_with_the_two_pool_apps_tokens(direct, 
 
     async def main():
         async with httpx.AsyncClient() as c:
-            reference = await _chat(c, server, **greedy)
-            persistent = await _chat(c, direct, **greedy)
-            standard = await _chat(c, direct, "standard", **greedy)
-            sampled = await _chat(c, direct, temperature=0.9, seed=1, max_tokens=8)
+            reference = await chat(c, server, **greedy)
+            persistent = await chat(c, direct, **greedy)
+            standard = await chat(c, direct, "standard", **greedy)
+            sampled = await chat(c, direct, temperature=0.9, seed=1, max_tokens=8)
             async with c.stream("POST", f"{direct}/v1/completions", timeout=300, json={
                     "model": MODEL, "prompt": "The sea is", "max_tokens": 8, "temperature": 0, "stream": True,
                     "ignore_eos": True}) as r:
